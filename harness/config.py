@@ -1,0 +1,213 @@
+"""Typed configuration schemas, registered with Hydra's ConfigStore.
+
+Every YAML file under ``conf/`` is validated against these dataclasses when the config
+is composed, so a misspelt key or a value of the wrong type fails at start-up, before a
+model is loaded. One short comment per field says what changes when you flip it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class TinyModelConfig:
+    """Shape of the random-weight llama-style model built for fast tests."""
+
+    hidden_size: int = 64  # must be divisible by 32 so group-32 schemes apply
+    intermediate_size: int = 256
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2  # < heads exercises grouped-query attention
+    vocab_size: int = 0  # 0: use the tokenizer's vocabulary size
+    tokenizer: str = "smollm2_135m"  # a packaged model whose tokenizer is borrowed
+    seed: int = 0  # weights are a pure function of this seed
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING  # short name used in run names, tags and cache keys
+    source: str = "hf"  # hf (hub id or local dir) | gguf_package | tiny_random
+    path: str = ""  # hf: hub id or local directory; gguf_package: package name
+    gguf_file: Optional[str] = None  # file inside the package (gguf_package only)
+    revision: Optional[str] = None  # hub revision (pin it for reproducible sweeps)
+    dtype: str = "float32"  # float32 on CPU; bfloat16 on GPU (bf16 is ~5x slower on CPU)
+    device: str = "cpu"  # cpu | cuda | cuda:N
+    chat_template: bool = True  # instruct models need their chat template
+    max_length: int = 8192  # context window used for truncation and long-context buckets
+    batch_size: int = 8  # lm-eval batch size; padding does not change answers (tested)
+    trust_remote_code: bool = False
+    tiny: Optional[TinyModelConfig] = None  # only for source=tiny_random
+
+
+@dataclass
+class TensorQuantConfig:
+    """How one kind of tensor (weights, activations, keys, values) is quantized."""
+
+    format: str = "int"  # int | fp8_e4m3 | fp8_e5m2 | nvfp4 | mxfp4 | mxfp8
+    bits: int = 8  # int only
+    symmetric: bool = True  # int only; asymmetric adds a zero point per group
+    granularity: str = "channel"  # tensor | channel | group | token | block | head
+    group_size: int = 128  # for granularity=group
+    block_shape: list[int] = field(default_factory=lambda: [128, 128])  # for block (fp8)
+    dynamic: bool = True  # activations/KV: scale per call (True) or calibrated once (False)
+    scale_bits: int = 16  # storage of each scale in bits-per-weight accounting
+
+
+@dataclass
+class KVCacheQuantConfig:
+    keys: Optional[TensorQuantConfig] = None  # keys are quantized after RoPE
+    values: Optional[TensorQuantConfig] = None
+    residual_length: int = 0  # KIVI: most recent tokens kept in full precision
+    group_tokens: int = 32  # KIVI per-channel keys: scales shared over groups of tokens
+
+
+@dataclass
+class GPTQConfig:
+    damp_percent: float = 0.01  # fraction of mean(diag H) added to the diagonal
+    block_size: int = 128  # columns per lazy-update block
+    act_order: bool = False  # quantize columns by descending diag(H), static groups
+    static_groups: bool = True
+
+
+@dataclass
+class AWQConfig:
+    grid: int = 20  # points of the alpha grid in [0, 1)
+    duo_scaling: bool = False  # llm-compressor's mean|x|^a / mean|w|^(1-a) variant
+    clip: bool = True  # search a per-group clipping ratio after scaling
+    clip_grid: int = 20
+    max_shrink: float = 0.5
+
+
+@dataclass
+class SmoothQuantConfig:
+    alpha: float = 0.5  # migration strength; 0.8-0.9 for larger models
+
+
+@dataclass
+class CalibrationConfig:
+    source: str = "offline"  # offline (text shipped by installed packages) | dataset
+    dataset: Optional[str] = None  # datasets name, e.g. wikitext (cluster runs)
+    dataset_config: Optional[str] = None
+    split: str = "train"
+    text_field: str = "text"
+    num_samples: int = 128
+    seq_len: int = 512
+    seed: int = 0
+
+
+@dataclass
+class QuantConfig:
+    name: str = MISSING  # scheme name used in run names and tags
+    method: str = "rtn"  # rtn | gptq | awq | smoothquant (registry in harness.quant)
+    weights: Optional[TensorQuantConfig] = None  # None: weights stay in high precision
+    activations: Optional[TensorQuantConfig] = None  # None: weight-only (W*A16)
+    kv_cache: Optional[KVCacheQuantConfig] = None  # None: full-precision KV cache
+    targets: list[str] = field(default_factory=lambda: ["*"])  # fnmatch patterns of Linear names
+    keep: list[str] = field(default_factory=lambda: ["lm_head", "*embed*"])  # left in high precision
+    gptq: GPTQConfig = field(default_factory=GPTQConfig)
+    awq: AWQConfig = field(default_factory=AWQConfig)
+    smoothquant: SmoothQuantConfig = field(default_factory=SmoothQuantConfig)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+
+
+@dataclass
+class SliceConfig:
+    tasks: list[str] = MISSING  # lm-eval task names (offline tasks under slices/, or registry)
+    registry: bool = False  # tasks come from lm-eval's registry and need the dataset hub
+    size: str = "${eval.size}"  # quick | full (offline item counts; see slices/<name>/)
+    n_items: Optional[int] = None  # overrides the size's item count
+    num_fewshot: Optional[int] = None  # None: the task YAML's own setting
+    limit: Optional[int] = None  # lm-eval limit per task (registry tasks)
+    divergence_texts: int = 16  # gold texts scored for KL / PPL
+    metadata: dict[str, Any] = field(default_factory=dict)  # passed to the item generator
+
+
+@dataclass
+class EvalConfig:
+    size: str = "quick"  # default item-set size of every slice
+    seed: int = 1234  # item generation and lm-eval seeds
+    batch_size: Optional[int] = None  # None: the model config's batch size
+    divergence_max_tokens: int = 1024  # longer gold texts are truncated (long-context: window)
+    reference_topk: int = 0  # 0: exact full-vocabulary reference; k>0: top-k + tail (compact)
+    position_buckets: list[int] = field(default_factory=lambda: [0, 128, 512, 1024, 2048, 4096, 8192])
+
+
+@dataclass
+class CompareConfig:
+    n_resamples: int = 2000  # paired bootstrap resamples (>= 1000)
+    ci_level: float = 0.95
+    seed: int = 0
+    margin: float = 0.02  # non-inferiority margin (accuracy points / 100)
+    correction: str = "holm"  # holm | bh | none, across all tests of a run
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = True
+    uri: Optional[str] = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the cwd
+    experiment: str = "quant-harness"
+    run_name: Optional[str] = None  # None: <model>/<scheme>/<slices>
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class PathsConfig:
+    results_dir: str = "results"  # results/<run>/ holds items.parquet, summary.json, config
+    cache_dir: str = "${oc.env:HARNESS_CACHE_DIR,${oc.env:HOME}/.cache/quant-harness}"
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = MISSING
+    quant: QuantConfig = MISSING
+    slices: dict[str, SliceConfig] = field(default_factory=dict)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    compare: CompareConfig = field(default_factory=CompareConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    force: bool = False  # recompute even when a finished result for this config exists
+
+
+def register_configs() -> None:
+    """Register the schemas so that conf/ files are validated against them."""
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunConfig)
+
+
+REPO_DIR = __import__("pathlib").Path(__file__).resolve().parents[1]
+CONF_DIR = REPO_DIR / "conf"
+SLICES_DIR = REPO_DIR / "slices"
+
+
+def compose(overrides: list[str] | None = None, config_name: str = "config"):
+    """Compose the run config exactly as ``python -m harness <overrides>`` would (no job run).
+
+    For notebooks, tests and the auxiliary commands: the same defaults, schemas and errors.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_configs()
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(config_name=config_name, overrides=list(overrides or []))
+
+
+def load_model_config(name: str) -> ModelConfig:
+    """The ModelConfig of conf/model/<name>.yaml, validated against the schema."""
+    from omegaconf import OmegaConf
+
+    path = CONF_DIR / "model" / f"{name}.yaml"
+    if not path.exists():
+        options = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
+        raise ValueError(f"unknown model config {name!r}; available: {options}")
+    raw = OmegaConf.load(path)
+    raw.pop("defaults", None)
+    merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), raw)
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]

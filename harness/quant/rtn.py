@@ -1,0 +1,26 @@
+"""Round-to-nearest: each target weight is replaced by its quantize-dequantize image."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from harness.config import QuantConfig
+from harness.quant.base import QuantReport, bits_for, register_method, target_linears
+from harness.quant.tensor import fake_quantize
+
+
+@torch.no_grad()
+def quantize_weights_rtn(model: nn.Module, scheme: QuantConfig, report: QuantReport) -> None:
+    if scheme.weights is None:
+        return
+    targets, _ = target_linears(model, scheme)
+    for name, module in targets.items():
+        original = module.weight.data
+        quantized = fake_quantize(original, scheme.weights)
+        report.add_layer(name, original, quantized, bits_for(scheme, module))
+        module.weight.data = quantized
+
+
+@register_method("rtn")
+def rtn(model: nn.Module, scheme: QuantConfig, context: object, report: QuantReport) -> None:
+    quantize_weights_rtn(model, scheme, report)

@@ -1,0 +1,122 @@
+"""Join the two models' per-item records and token rows into the run's comparison.
+
+Items are paired on their stable id; statistics are computed overall, per slice and per
+sub-slice (harness.stats), token divergence per slice and per position bucket
+(harness.token_stats). The result is plain data: DataFrames and a JSON-able dict.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from harness import stats, token_stats
+from harness.config import CompareConfig
+
+
+@dataclass
+class Comparison:
+    items: pd.DataFrame  # one row per item: both models side by side
+    item_stats: pd.DataFrame  # one row per (level, slice, sub_slice)
+    token_stats: pd.DataFrame  # one row per (slice, position bucket) incl. "all"
+    generation: pd.DataFrame  # generation divergence per slice
+
+    def metrics(self) -> dict[str, float]:
+        """Flat metric names for MLflow: ``<slice>/<metric>`` and ``overall/<metric>``."""
+        out: dict[str, float] = {}
+        keys = ["acc_ref", "acc_quant", "delta", "delta_ci_low", "delta_ci_high", "flips_right_to_wrong",
+                "flips_wrong_to_right", "flip_rate", "mcnemar_p", "mcnemar_p_adj", "n"]
+        for row in self.item_stats[self.item_stats["level"].isin(["overall", "slice"])].to_dict("records"):
+            prefix = "overall" if row["level"] == "overall" else row["slice"]
+            for key in keys:
+                if key in row and row[key] is not None and _is_number(row[key]):
+                    out[f"{prefix}/{key.replace('delta', 'acc_delta') if key.startswith('delta') else key}"] = float(row[key])
+        for row in self.token_stats[self.token_stats["bucket"] == "all"].to_dict("records"):
+            for key, value in row.items():
+                if key not in ("slice", "bucket") and _is_number(value):
+                    out[f"{row['slice']}/{key}"] = float(value)
+        for row in self.generation.to_dict("records"):
+            for key in ("identical_rate", "first_diff_mean"):
+                if _is_number(row.get(key)):
+                    out[f"{row['slice']}/gen_{key}"] = float(row[key])
+        return out
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) and math.isfinite(float(value))
+
+
+def pair_items(ref: pd.DataFrame, quant: pd.DataFrame) -> pd.DataFrame:
+    """Inner-join on item id; refuses item sets that differ (they must be the same items)."""
+    missing = set(ref["item_id"]) ^ set(quant["item_id"])
+    if missing:
+        raise ValueError(f"reference and quantized runs scored different items ({len(missing)} differ, e.g. "
+                         f"{sorted(missing)[:3]}); the reference cache key must include the item set")
+    keys = ["item_id", "slice", "task", "sub_slice", "cluster", "output_type", "target"]
+    merged = ref.merge(quant[["item_id", "correct", "response"]], on="item_id", suffixes=("_ref", "_quant"))
+    return merged[keys + ["correct_ref", "correct_quant", "response_ref", "response_quant"]]
+
+
+def first_difference(a: str, b: str, tokenize) -> int:
+    """Index of the first token where two greedy outputs differ (-1 when identical)."""
+    if a == b:
+        return -1
+    ta, tb = tokenize(a), tokenize(b)
+    for index, (x, y) in enumerate(zip(ta, tb)):
+        if x != y:
+            return index
+    return min(len(ta), len(tb))
+
+
+def generation_divergence(items: pd.DataFrame, tokenize) -> pd.DataFrame:
+    """Share of identical greedy outputs and where they first differ, for generative items."""
+    rows = []
+    generative = items[items["output_type"] == "generate_until"]
+    for slice_name, group in generative.groupby("slice"):
+        firsts = [first_difference(a, b, tokenize) for a, b in zip(group["response_ref"], group["response_quant"])]
+        differing = [f for f in firsts if f >= 0]
+        rows.append({"slice": slice_name, "n_generative": len(group),
+                     "identical_rate": float(np.mean([f < 0 for f in firsts])),
+                     "first_diff_mean": float(np.mean(differing)) if differing else float("nan"),
+                     "first_diff_median": float(np.median(differing)) if differing else float("nan")})
+    return pd.DataFrame(rows, columns=["slice", "n_generative", "identical_rate", "first_diff_mean", "first_diff_median"])
+
+
+def compare_items(items: pd.DataFrame, cfg: CompareConfig) -> pd.DataFrame:
+    """Paired statistics overall, per slice and per sub-slice, corrected across all rows."""
+    frame = items.assign(overall="overall")
+    levels = [("overall", ["overall"]), ("slice", ["slice"]), ("sub_slice", ["slice", "sub_slice"])]
+    parts = []
+    for level, by in levels:
+        result = stats.compare_frame(frame, by=by, cluster_col="cluster", n_resamples=cfg.n_resamples,
+                                     seed=cfg.seed, margin=cfg.margin, correction="none")
+        result.insert(0, "level", level)
+        parts.append(result)
+    table = pd.concat(parts, ignore_index=True)
+    for column in ("slice", "sub_slice"):
+        if column not in table:
+            table[column] = None
+    table["mcnemar_p_adj"] = stats.adjust_pvalues(table["mcnemar_p"].to_numpy(dtype=float), cfg.correction)
+    return table
+
+
+def summarize_tokens(tokens: pd.DataFrame, edges: list[int]) -> pd.DataFrame:
+    """Divergence per slice, overall and by token position bucket."""
+    if tokens.empty:
+        return pd.DataFrame(columns=["slice", "bucket"])
+    tokens = tokens.assign(bucket=token_stats.position_buckets(tokens["position"].to_numpy(), edges))
+    everything = token_stats.summarize_by(tokens.assign(bucket="all"), ["slice", "bucket"])
+    overall = token_stats.summarize_by(tokens.assign(slice="overall", bucket="all"), ["slice", "bucket"])
+    by_position = token_stats.summarize_by(tokens, ["slice", "bucket"])
+    return pd.concat([overall, everything, by_position], ignore_index=True)
+
+
+def build(ref_items: pd.DataFrame, quant_items: pd.DataFrame, tokens: pd.DataFrame, cfg: CompareConfig,
+          edges: list[int], tokenize) -> Comparison:
+    items = pair_items(ref_items, quant_items)
+    return Comparison(items=items, item_stats=compare_items(items, cfg),
+                      token_stats=summarize_tokens(tokens, edges),
+                      generation=generation_divergence(items, tokenize))

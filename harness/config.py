@@ -17,7 +17,7 @@ from omegaconf import MISSING
 class TinyModelConfig:
     """Shape of the random-weight llama-style model built for fast tests."""
 
-    hidden_size: int = 64  # must be divisible by 32 so group-32 schemes apply
+    hidden_size: int = 128  # a multiple of 128 so group-128 schemes apply
     intermediate_size: int = 256
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
@@ -40,6 +40,9 @@ class ModelConfig:
     max_length: int = 8192  # context window used for truncation and long-context buckets
     batch_size: int = 8  # lm-eval batch size; padding does not change answers (tested)
     trust_remote_code: bool = False
+    # Default of quant.*.ragged_groups for this model: whether a group size that does not divide a
+    # layer's input size is allowed (shorter last group) or refused as a config error.
+    ragged_groups: bool = False
     tiny: Optional[TinyModelConfig] = None  # only for source=tiny_random
 
 
@@ -55,6 +58,9 @@ class TensorQuantConfig:
     block_shape: list[int] = field(default_factory=lambda: [128, 128])  # for block (fp8)
     dynamic: bool = True  # activations/KV: scale per call (True) or calibrated once (False)
     scale_bits: int = 16  # storage of each scale in bits-per-weight accounting
+    # Allow a shorter last group when group_size does not divide a layer's input size (the GPTQ
+    # reference's behaviour; kernels such as Marlin need divisibility). None: the model's default.
+    ragged_groups: Optional[bool] = None
 
 
 @dataclass

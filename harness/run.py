@@ -160,6 +160,7 @@ def prepare_results_dir(cfg: RunConfig, key: str) -> Path:
 def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     """Run one job; returns the summary (also written to results/<run>/summary.json)."""
     cfg = to_config(cfg)
+    cfg.quant = quant.with_model_defaults(cfg.quant, cfg.model.ragged_groups)
     timings = Timings()
     # -- checks that cost nothing, before anything expensive ------------------------------
     slices = resolve(cfg.slices)

@@ -43,6 +43,10 @@ def check_tracking(uri: str, timeout: float = 5.0) -> str | None:
                     f"log them later with `python -m harness.sync <results dir>` once the server is up")
     if uri.startswith("sqlite:///"):
         directory = Path(uri[len("sqlite:///"):]).expanduser().resolve().parent
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            pass
         if not os.access(directory, os.W_OK):
             return f"cannot write the MLflow database in {directory}; set tracking.uri or MLFLOW_TRACKING_URI"
     return None

@@ -14,12 +14,12 @@ from torch import nn
 from harness.config import QuantConfig
 from harness.quant import rtn  # noqa: F401  (registers "rtn")
 from harness.quant.base import (QuantReport, available_methods, get_method, register_method, target_linears,
-                                validate_for_model, validate_scheme)
+                                validate_for_model, validate_scheme, with_model_defaults)
 from harness.quant.linear import calibrate_static_scales, install_activation_quant
 from harness.quant.tensor import SchemeError, fake_quantize
 
 __all__ = ["apply", "QuantReport", "SchemeError", "available_methods", "fake_quantize", "register_method",
-           "target_linears", "validate_for_model", "validate_scheme", "is_reference"]
+           "target_linears", "validate_for_model", "validate_scheme", "is_reference", "with_model_defaults"]
 
 _FMT_MAX = {"int": None, "fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
 

@@ -162,8 +162,22 @@ def validate_for_model(model: nn.Module, scheme: QuantConfig) -> None:
             name, size = bad[0]
             raise SchemeError(
                 f"quant.{role}: group/block size {multiple} does not divide the input size {size} of {name} "
-                f"({len(bad)} layers affected). Fix: pick a group size that divides {size}, or exclude those "
-                "layers with quant.keep")
+                f"({len(bad)} layers affected). Fix: pick a group size that divides {size}, set "
+                f"quant.{role}.ragged_groups=true to allow a shorter last group (GPTQ-reference behaviour; "
+                "kernels such as Marlin need divisibility), or exclude those layers with quant.keep")
+
+
+def with_model_defaults(scheme: QuantConfig, ragged_groups: bool) -> QuantConfig:
+    """Fill the scheme's unset (None) per-model defaults from the model config."""
+    import copy
+    scheme = copy.deepcopy(scheme)
+    specs = [scheme.weights, scheme.activations]
+    if scheme.kv_cache is not None:
+        specs += [scheme.kv_cache.keys, scheme.kv_cache.values]
+    for spec in specs:
+        if spec is not None and spec.ragged_groups is None:
+            spec.ragged_groups = ragged_groups
+    return scheme
 
 
 def bits_for(scheme: QuantConfig, module: nn.Linear) -> float:

@@ -6,6 +6,7 @@ and ``storage_bits`` gives the bits per element a spec costs, scales included.
 """
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from harness.config import TensorQuantConfig
@@ -60,13 +61,29 @@ def input_multiple(spec: TensorQuantConfig) -> int:
     """The input size a weight's last dimension must be a multiple of (1 if none)."""
     if spec.format in BLOCK_FORMATS:
         return BLOCK_FORMATS[spec.format]
-    if spec.granularity == "group":
+    if spec.granularity == "group" and not spec.ragged_groups:
         return spec.group_size
     return 1
 
 
+def _ragged(x: Tensor, spec: TensorQuantConfig) -> bool:
+    return (spec.format == "int" and spec.granularity == "group" and bool(spec.ragged_groups)
+            and x.shape[-1] % spec.group_size != 0)
+
+
+def _fake_quantize_ragged(x: Tensor, spec: TensorQuantConfig) -> Tensor:
+    """Groups of group_size along the last dim, the last group shorter (its own scale)."""
+    full = x.shape[-1] - x.shape[-1] % spec.group_size
+    head = formats.int_quantize(x[..., :full], spec.bits, symmetric=spec.symmetric, granularity="group",
+                                group_size=spec.group_size) if full else x[..., :0]
+    tail = formats.int_quantize(x[..., full:], spec.bits, symmetric=spec.symmetric, granularity="channel")
+    return torch.cat([head, tail], dim=-1)
+
+
 def fake_quantize(x: Tensor, spec: TensorQuantConfig, *, scale: Tensor | None = None) -> Tensor:
     """Quantize then dequantize ``x`` as ``spec`` says (same shape and dtype)."""
+    if _ragged(x, spec):
+        return _fake_quantize_ragged(x, spec)
     if spec.format == "int":
         granularity = "token" if spec.granularity == "head" else spec.granularity
         return formats.int_quantize(x, spec.bits, symmetric=spec.symmetric, granularity=granularity,
@@ -86,6 +103,10 @@ def fake_quantize(x: Tensor, spec: TensorQuantConfig, *, scale: Tensor | None = 
 
 def storage_bits(spec: TensorQuantConfig, out_features: int, in_features: int) -> float:
     """Bits per weight of a [out, in] matrix stored in this format, scales included."""
+    if spec.format == "int" and spec.granularity == "group" and in_features % spec.group_size:
+        groups = -(-in_features // spec.group_size)  # ragged: ceil(in / g) scales (and zeros) per row
+        per_group = spec.scale_bits + (0 if spec.symmetric else spec.bits)
+        return spec.bits + groups * per_group / in_features
     return formats.bits_per_element(
         spec.format, bits=spec.bits, granularity=spec.granularity, group_size=spec.group_size,
         symmetric=spec.symmetric, in_features=in_features, out_features=out_features,

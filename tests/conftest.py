@@ -1,0 +1,50 @@
+"""Shared fixtures: hermetic results/MLflow/reference caches per test, one shared model cache.
+
+Dequantized packaged weights are expensive to make (tens of seconds) and identical for
+every test, so the ``models`` namespace of each test cache links to the user's model
+cache; everything else a test writes (reference cache, results, MLflow) is under tmp_path.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from harness.config import compose
+
+USER_CACHE = Path(os.environ.get("HARNESS_CACHE_DIR", "~/.cache/quant-harness")).expanduser()
+
+
+@pytest.fixture(scope="session")
+def shared_model_cache() -> Path:
+    models = USER_CACHE / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    return models
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path, shared_model_cache: Path) -> Path:
+    root = tmp_path / "cache"
+    root.mkdir()
+    (root / "models").symlink_to(shared_model_cache)
+    return root
+
+
+@pytest.fixture
+def make_cfg(tmp_path: Path, cache_dir: Path):
+    """Compose a run config as the CLI would, with all outputs under tmp_path."""
+
+    def _make(*overrides: str):
+        return compose([
+            f"paths.results_dir={tmp_path / 'results'}",
+            f"paths.cache_dir={cache_dir}",
+            f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
+            "compare.n_resamples=1000",
+            *overrides,
+        ])
+
+    return _make
+
+
+TINY_MATH = ["model=tiny_random", "slices=[math]", "slices.math.n_items=18", "slices.math.divergence_texts=4"]

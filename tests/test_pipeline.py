@@ -1,0 +1,81 @@
+"""The whole pipeline on the tiny random model: config → quantize → evaluate → compare → MLflow."""
+from __future__ import annotations
+
+import json
+
+import mlflow
+import pandas as pd
+import pytest
+
+from harness import run as run_mod
+from tests.conftest import TINY_MATH
+
+
+def test_null_scheme_gives_zero_flips_and_zero_kl(make_cfg, tmp_path):
+    result = run_mod.run(make_cfg(*TINY_MATH, "quant=none"))
+    metrics = result["metrics"]
+    assert metrics["overall/flips_right_to_wrong"] == 0
+    assert metrics["overall/flips_wrong_to_right"] == 0
+    assert metrics["math/kl_mean"] == 0.0
+    assert metrics["math/kl_max"] == 0.0
+    assert metrics["math/top1_agree"] == 1.0
+    assert metrics["math/ppl_ratio"] == pytest.approx(1.0, abs=0)
+    items = pd.read_parquet(next((tmp_path / "results").glob("*")) / "items.parquet")
+    assert (items["response_ref"] == items["response_quant"]).all()
+
+
+def test_int4_run_writes_results_and_logs_mlflow(make_cfg, tmp_path):
+    cfg = make_cfg(*TINY_MATH, "quant=int4_g128")
+    result = run_mod.run(cfg)
+    directory = next((tmp_path / "results").glob("*"))
+    for name in ("items.parquet", "summary.json", "config.yaml", "config.json", "tokens.parquet",
+                 "item_stats.parquet", "token_stats.parquet", "quant_layers.parquet", "report.md"):
+        assert (directory / name).exists(), name
+    items = pd.read_parquet(directory / "items.parquet")
+    assert len(items) == 36 and items["item_id"].is_unique
+    assert set(items.columns) >= {"correct_ref", "correct_quant", "response_ref", "response_quant", "sub_slice"}
+    assert result["metrics"]["math/kl_mean"] > 0
+    assert result["quant"]["bits_per_weight"] == pytest.approx(4.125)
+    # lm-eval's own aggregate equals the harness's per-item mean, per task and model.
+    for task, value in result["lm_eval_aggregates"]["quantized"].items():
+        assert items.loc[items["task"] == task, "correct_quant"].mean() == pytest.approx(value)
+    for task, value in result["lm_eval_aggregates"]["reference"].items():
+        assert items.loc[items["task"] == task, "correct_ref"].mean() == pytest.approx(value)
+    client = mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("quant-harness").experiment_id])
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.data.tags["scheme"] == "int4_g128" and run.data.tags["model"] == "tiny_random"
+    assert run.data.metrics["math/kl_mean"] == pytest.approx(result["metrics"]["math/kl_mean"])
+    assert run.data.params["quant.weights.group_size"] == "128"
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"items.parquet", "summary.json", "config.yaml"} <= artifacts
+
+
+def test_second_scheme_reuses_the_reference(make_cfg, tmp_path, caplog):
+    first = run_mod.run(make_cfg(*TINY_MATH, "quant=int8"))
+    second = run_mod.run(make_cfg(*TINY_MATH, "quant=int4"))
+    assert first["reference_cached"] == {"math": False}
+    assert second["reference_cached"] == {"math": True}
+    assert second["timings"]["reference"] < first["timings"]["reference"]
+
+
+def test_finished_config_is_reused_not_recomputed(make_cfg, tmp_path):
+    cfg = make_cfg(*TINY_MATH, "quant=int8")
+    first = run_mod.run(cfg)
+    again = run_mod.run(make_cfg(*TINY_MATH, "quant=int8"))
+    assert again["run_key"] == first["run_key"]
+    assert again["finished_at"] == first["finished_at"]
+    client = mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("quant-harness").experiment_id])
+    assert len(runs) == 1  # logging is idempotent
+
+
+def test_batch_composition_does_not_change_answers(make_cfg, tmp_path):
+    one = run_mod.run(make_cfg(*TINY_MATH, "quant=none", "eval.batch_size=1", "tracking.enabled=false"))
+    eight = run_mod.run(make_cfg(*TINY_MATH, "quant=none", "eval.batch_size=7", "tracking.enabled=false",
+                                 f"paths.results_dir={tmp_path / 'other'}"))
+    a = pd.read_parquet(next((tmp_path / "results").glob("*")) / "items.parquet").set_index("item_id")
+    b = pd.read_parquet(next((tmp_path / "other").glob("*")) / "items.parquet").set_index("item_id")
+    assert (a.loc[b.index, "response_quant"] == b["response_quant"]).all()
+    assert (a.loc[b.index, "correct_quant"] == b["correct_quant"]).all()

@@ -9,6 +9,7 @@ natively bf16 checkpoint.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import logging
@@ -207,7 +208,7 @@ def build_tiny_random(cfg: ModelConfig, cache: Cache) -> tuple[Any, Any, dict]:
     finally:
         torch.random.set_rng_state(generator_state)
     model = model.to(torch_dtype(cfg.dtype))
-    identity = {"source": "tiny_random", "tiny": vars(tiny) if not hasattr(tiny, "items") else dict(tiny)}
+    identity = {"source": "tiny_random", "tiny": dataclasses.asdict(tiny)}
     return model, tokenizer, identity
 
 

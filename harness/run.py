@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import os
 import re
+import shutil
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from harness import divergence, evaluate, models, quant, report, summary, tracking
+from harness import divergence, evaluate, models, quant, report, summary, sweep, tracking
 from harness.cache import Cache, atomic_write_json, atomic_write_text, file_sha256, stable_hash
 from harness.config import RunConfig
 from harness.slices import Slice, check_hub_for_registry, resolve
@@ -120,7 +121,8 @@ def compute_reference(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig,
         log.info("reference for slice %s: computing (cache miss %s)", slice_.name, key)
         settings = eval_settings(cfg, tokenizer_dir(loaded, cfg))
         lm = evaluate.make_lm(loaded.model, loaded.tokenizer, settings)
-        records, aggregates = evaluate.evaluate_slice(lm, slice_, settings)
+        checkpoint = entry.with_name(f"{key}.checkpoint")  # per-request results of an interrupted attempt
+        records, aggregates = evaluate.evaluate_slice(lm, slice_, settings, checkpoint=checkpoint)
         texts = divergence_texts(slice_, cfg, settings)
         scored = divergence.score_reference(loaded.model, loaded.tokenizer, texts,
                                             max_tokens=max_divergence_tokens(slice_, cfg), topk=cfg.eval.reference_topk)
@@ -128,6 +130,7 @@ def compute_reference(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig,
             records.to_parquet(tmp / "records.parquet")
             pd.Series(aggregates, dtype=float).to_json(tmp / "aggregates.json")
             torch.save(scored, tmp / "divergence.pt")
+        evaluate.drop_checkpoint(checkpoint)
         return SliceReference(records, aggregates, scored, False)
 
 
@@ -160,7 +163,9 @@ def prepare_results_dir(cfg: RunConfig, key: str) -> Path:
 def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     """Run one job; returns the summary (also written to results/<run>/summary.json)."""
     cfg = to_config(cfg)
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)  # per-request INFO lines drown the stage log
     cfg.quant = quant.with_model_defaults(cfg.quant, cfg.model.ragged_groups)
+    cfg.tracking.tags = sweep.tags_with_sweep_id(cfg.tracking.tags)  # harness.sweep_id groups a sweep's runs
     timings = Timings()
     # -- checks that cost nothing, before anything expensive ------------------------------
     slices = resolve(cfg.slices)
@@ -183,6 +188,9 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
         existing = pd.read_json(results_dir / "summary.json", typ="series").to_dict()
         _log_to_mlflow(results_dir, cfg, uri, tracking_problem)
         return existing
+    checkpoint = results_dir / "checkpoint"  # lm-eval's per-request results: a killed job resumes from them
+    if cfg.force:
+        shutil.rmtree(checkpoint, ignore_errors=True)
 
     references: dict[str, SliceReference] = {}
     with timings.stage("reference"):
@@ -194,11 +202,13 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
         quant_report = quant.apply(loaded.model, cfg.quant, context)
 
     settings = eval_settings(cfg, tokenizer_dir(loaded, cfg))
-    quant_records, tokens, aggregates = [], [], {}
+    quant_records, tokens, aggregates, restored, requests = [], [], {}, {}, {}
     with timings.stage("evaluate"):
         lm = evaluate.make_lm(loaded.model, loaded.tokenizer, settings)
         for slice_ in slices:
-            records, agg = evaluate.evaluate_slice(lm, slice_, settings)
+            restored[slice_.name] = evaluate.checkpoint_rows(checkpoint / slice_.name)
+            records, agg = evaluate.evaluate_slice(lm, slice_, settings, checkpoint=checkpoint / slice_.name)
+            requests[slice_.name] = evaluate.checkpoint_rows(checkpoint / slice_.name)
             quant_records.append(records)
             aggregates.update(agg)
     with timings.stage("divergence"):
@@ -217,9 +227,11 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
         "lm_eval_aggregates": {"reference": {k: v for r in references.values() for k, v in r.aggregates.items()},
                                "quantized": aggregates},
         "machine": _machine(), "tags": dict(cfg.tracking.tags), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "checkpoint": {"restored_requests": restored, "requests": requests},
     }
     with timings.stage("write"):
         write_results(results_dir, cfg, comparison, tokens, quant_report, result)
+        shutil.rmtree(checkpoint, ignore_errors=True)  # the results it protected are on disk now
     report.print_comparison(comparison, result)
     with timings.stage("logging"):
         _log_to_mlflow(results_dir, cfg, uri, tracking_problem)

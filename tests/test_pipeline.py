@@ -79,3 +79,16 @@ def test_batch_composition_does_not_change_answers(make_cfg, tmp_path):
     b = pd.read_parquet(next((tmp_path / "other").glob("*")) / "items.parquet").set_index("item_id")
     assert (a.loc[b.index, "response_quant"] == b["response_quant"]).all()
     assert (a.loc[b.index, "correct_quant"] == b["correct_quant"]).all()
+
+
+@pytest.mark.slow
+def test_real_model_tier_smollm2_handful_of_items(make_cfg, tmp_path):
+    """SmolLM2-135M end to end on a handful of math items: real weights, real lm-eval, real MLflow."""
+    result = run_mod.run(make_cfg("slices=[math]", "slices.math.n_items=9", "slices.math.divergence_texts=4",
+                                  "quant=int4_g128"))
+    m = result["metrics"]
+    assert m["overall/n"] == 18
+    assert 0 < m["math/kl_mean"] < 5 and 0 < m["math/top1_agree"] < 1
+    assert m["math/ppl_ref"] > 1 and m["math/ppl_quant"] > 1
+    # SmolLM2's 576-wide layers take a ragged last group: 4 groups of 128 + 1 of 64.
+    assert result["quant"]["bits_per_weight"] > 4.125

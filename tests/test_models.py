@@ -1,0 +1,66 @@
+"""Model sources and the dequantized-weight cache."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from harness import models
+from harness.config import load_model_config
+
+
+def test_tiny_random_is_a_pure_function_of_its_seed(shared_model_cache, tmp_path):
+    (tmp_path / "models").symlink_to(shared_model_cache)
+    cfg = load_model_config("tiny_random")
+    a = models.load(cfg, tmp_path)
+    b = models.load(cfg, tmp_path)
+    for (name, pa), (_, pb) in zip(a.model.named_parameters(), b.model.named_parameters()):
+        assert torch.equal(pa, pb), name
+    cfg.tiny.seed = 1
+    c = models.load(cfg, tmp_path)
+    assert not torch.equal(next(a.model.parameters()), next(c.model.parameters()))
+    assert a.key == b.key != c.key
+
+
+def test_dtype_and_device_come_from_config(shared_model_cache, tmp_path):
+    (tmp_path / "models").symlink_to(shared_model_cache)
+    cfg = load_model_config("tiny_random")
+    cfg.dtype = "bfloat16"
+    loaded = models.load(cfg, tmp_path)
+    assert next(loaded.model.parameters()).dtype == torch.bfloat16
+    with pytest.raises(models.ModelLoadError, match="not one of"):
+        cfg.dtype = "float13"
+        models.load(cfg, tmp_path)
+
+
+@pytest.mark.slow
+def test_gguf_is_dequantized_once_then_loaded_from_the_cache(tmp_path):
+    """Cold load dequantizes the packaged GGUF; the warm load reads safetensors and matches."""
+    cfg = load_model_config("smollm2_135m")
+    start = time.perf_counter()
+    cold = models.load(cfg, tmp_path)
+    cold_s = time.perf_counter() - start
+    assert "dequantize_gguf_s" in cold.timings
+    entries = list((tmp_path / "models").iterdir())
+    assert any((e / "COMPLETE").exists() and (e / "model.safetensors").exists() for e in entries)
+    start = time.perf_counter()
+    warm = models.load(cfg, tmp_path)
+    warm_s = time.perf_counter() - start
+    assert "dequantize_gguf_s" not in warm.timings
+    assert warm_s < cold_s
+    ids = cold.tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
+    assert torch.equal(ids, warm.tokenizer("The capital of France is", return_tensors="pt")["input_ids"])
+    with torch.no_grad():
+        assert torch.equal(cold.model(ids).logits, warm.model(ids).logits)
+    assert cold.identity["sha256"] == warm.identity["sha256"]
+
+
+@pytest.mark.slow
+def test_gemma_package_loads_through_the_same_path(shared_model_cache, tmp_path):
+    (tmp_path / "models").symlink_to(shared_model_cache)
+    loaded = models.load(load_model_config("gemma3_270m"), tmp_path)
+    ids = loaded.tokenizer("Bonjour, je m'appelle", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        logits = loaded.model(ids).logits
+    assert torch.isfinite(logits).all() and logits.shape[-1] >= 262_000

@@ -136,10 +136,8 @@ def validate_scheme(scheme: QuantConfig) -> None:
         if not scheme.activations.dynamic and scheme.activations.format == "nvfp4":
             raise SchemeError("quant.activations: NVFP4 activations with a static scale are not supported")
     if scheme.kv_cache is not None:
-        for role in ("keys", "values"):
-            spec = getattr(scheme.kv_cache, role)
-            if spec is not None:
-                validate_spec(spec, role)
+        from harness.quant.kv import validate_kv_cache
+        validate_kv_cache(scheme.kv_cache)
     if scheme.method in ("gptq", "awq") and (scheme.weights is None or scheme.weights.format != "int"):
         raise SchemeError(f"quant.method={scheme.method} solves for an integer grid: set quant.weights.format=int")
 

@@ -14,7 +14,7 @@ with the CLI's own code::
     lm = harness.make_lm(loaded.model, loaded.tokenizer, harness.eval_settings(run_cfg, None))
     records, _ = harness.evaluate_slice(lm, slices[0], harness.eval_settings(run_cfg, None))  # evaluate
     tokens = harness.divergence_rows(loaded.model, ref.texts, slices[0].name)      # divergence
-    comparison = harness.compare(ref.records, records, tokens, run_cfg.compare,
+    comparison = harness.build_comparison(ref.records, records, tokens, run_cfg.compare,
                                  list(run_cfg.eval.position_buckets), tokenize=...)  # compare
     harness.run_job(cfg)   # or everything at once, results on disk + MLflow        # log
 
@@ -39,7 +39,8 @@ _EXPORTS = {
     "evaluate_slice": ("harness.evaluate", "evaluate_slice"),
     "score_reference": ("harness.divergence", "score_reference"),
     "divergence_rows": ("harness.divergence", "compare_to_reference"),
-    "compare": ("harness.summary", "build"),
+    "build_comparison": ("harness.summary", "build"),
+    "compare_runs": ("harness.compare", "compare_runs"),
     "paired_compare": ("harness.stats", "paired_compare"),
     "log_results": ("harness.tracking", "log_results"),
     "Cache": ("harness.cache", "Cache"),

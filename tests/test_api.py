@@ -18,7 +18,7 @@ def test_stage_by_stage_equals_the_cli_pipeline(make_cfg, tmp_path):
     settings = harness.eval_settings(run_cfg, None)
     records, _ = harness.evaluate_slice(harness.make_lm(loaded.model, loaded.tokenizer, settings), slices[0], settings)
     tokens = harness.divergence_rows(loaded.model, ref.texts, slices[0].name)
-    comparison = harness.compare(ref.records, records, tokens, run_cfg.compare, list(run_cfg.eval.position_buckets),
+    comparison = harness.build_comparison(ref.records, records, tokens, run_cfg.compare, list(run_cfg.eval.position_buckets),
                                  lambda t: loaded.tokenizer(t, add_special_tokens=False)["input_ids"])
     cli = harness.run_job(make_cfg(*TINY_MATH, "quant=int4"))  # reference reused from the same cache
     assert cli["reference_cached"] == {"math": True}

@@ -1,0 +1,118 @@
+"""harness.divergence against an independent reference: scipy on float64 full softmaxes.
+
+A one-layer random Llama (transformers) is the reference, a copy with perturbed weights the
+"quantized" model. The exact per-token KL in both directions, the NLLs, the probabilities of
+the actual next token and the top-1 tokens are recomputed here with scipy from the models'
+logits; the compact top-k + tail reference is checked against the lumped KL computed the same
+way, against the log-sum inequality (lumped <= exact), and against the exact value when only
+one token is left in the tail.
+"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from scipy.special import log_softmax, rel_entr
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from harness.divergence import compare_to_reference, score_reference
+
+VOCAB = 96
+
+
+class CharTokenizer:
+    """Characters to ids modulo the vocabulary; the call signature divergence.tokenize uses."""
+
+    def __call__(self, text: str, return_tensors: str = "pt", truncation: bool = True, max_length: int = 512):
+        ids = [1] + [ord(ch) % VOCAB for ch in text]
+        return {"input_ids": torch.tensor([ids[:max_length] if truncation else ids])}
+
+
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "12 + 30 = 42; 7 * 6 = 42.", "a" * 5 + "bcdefg" * 4]
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    reference = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # sharper distributions than the default init, so top-k matters
+        reference.lm_head.weight.mul_(8.0)
+    quantized = copy.deepcopy(reference)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in quantized.parameters():
+            parameter.add_(0.05 * parameter.abs().mean() * torch.randn(parameter.shape, generator=generator))
+    return reference, quantized
+
+
+def _log_probs64(model: torch.nn.Module, text: str) -> tuple[np.ndarray, np.ndarray]:
+    ids = CharTokenizer()(text)["input_ids"]
+    with torch.no_grad():
+        logits = model(ids, use_cache=False).logits[0, :-1].double().numpy()
+    return log_softmax(logits, axis=-1), ids[0, 1:].numpy()
+
+
+def test_exact_kl_matches_scipy_full_softmax(models):
+    reference, quantized = models
+    refs = score_reference(reference, CharTokenizer(), TEXTS, max_tokens=512, topk=0)
+    rows = compare_to_reference(quantized, refs, "s")
+    offset = 0
+    for text in TEXTS:
+        logp, targets = _log_probs64(reference, text)
+        logq, _ = _log_probs64(quantized, text)
+        n = targets.size
+        part = rows.iloc[offset:offset + n]
+        offset += n
+        p, q = np.exp(logp), np.exp(logq)
+        np.testing.assert_allclose(part["kl"], rel_entr(p, q).sum(-1), rtol=2e-4, atol=1e-7)
+        np.testing.assert_allclose(part["kl_reverse"], rel_entr(q, p).sum(-1), rtol=2e-4, atol=1e-7)
+        chosen = np.arange(n), targets
+        np.testing.assert_allclose(part["nll_ref"], -logp[chosen], rtol=1e-5)
+        np.testing.assert_allclose(part["nll_quant"], -logq[chosen], rtol=1e-5)
+        np.testing.assert_allclose(part["p_quant"], q[chosen], rtol=1e-5)
+        assert (part["top1_ref"].to_numpy() == logp.argmax(-1)).all()
+        assert (part["top1_quant"].to_numpy() == logq.argmax(-1)).all()
+        assert part["position"].tolist() == list(range(1, n + 1))
+    assert offset == len(rows) and rows["kl"].mean() > 1e-3  # the perturbation is visible
+
+
+def _lumped_kl(logp: np.ndarray, logq: np.ndarray, k: int) -> np.ndarray:
+    """KL on the partition {top-k tokens of the reference, everything else} (numpy, float64)."""
+    top = np.argsort(-logp, axis=-1, kind="stable")[:, :k]
+    p_k = np.take_along_axis(np.exp(logp), top, -1)
+    q_k = np.take_along_axis(np.exp(logq), top, -1)
+    p_tail = np.clip(1 - p_k.sum(-1), 1e-30, None)
+    q_tail = np.clip(1 - q_k.sum(-1), 1e-30, None)
+    return rel_entr(p_k, q_k).sum(-1) + rel_entr(p_tail, q_tail)
+
+
+@pytest.mark.parametrize("k", [4, 16, 64])
+def test_topk_tail_kl_is_the_lumped_kl_and_a_lower_bound(models, k):
+    reference, quantized = models
+    compact = compare_to_reference(quantized, score_reference(reference, CharTokenizer(), TEXTS, max_tokens=512,
+                                                              topk=k), "s")
+    exact = compare_to_reference(quantized, score_reference(reference, CharTokenizer(), TEXTS, max_tokens=512), "s")
+    expected = np.concatenate([_lumped_kl(_log_probs64(reference, t)[0], _log_probs64(quantized, t)[0], k)
+                               for t in TEXTS])
+    np.testing.assert_allclose(compact["kl"], expected, rtol=2e-3, atol=2e-6)
+    assert (compact["kl"].to_numpy() <= exact["kl"].to_numpy() + 1e-6).all()  # log-sum inequality
+    # NLL, probabilities and top-1 do not depend on how the reference distribution is stored
+    for column in ("nll_ref", "nll_quant", "p_ref", "p_quant", "top1_ref", "top1_quant"):
+        np.testing.assert_array_equal(compact[column], exact[column])
+
+
+def test_topk_error_shrinks_and_vanishes_with_one_tail_token(models):
+    reference, quantized = models
+    exact = compare_to_reference(quantized, score_reference(reference, CharTokenizer(), TEXTS, max_tokens=512), "s")
+    errors = []
+    for k in (2, 8, 32, VOCAB - 1):
+        refs = score_reference(reference, CharTokenizer(), TEXTS, max_tokens=512, topk=k)
+        compact = compare_to_reference(quantized, refs, "s")
+        errors.append(1 - compact["kl"].mean() / exact["kl"].mean())
+    assert all(e >= -1e-5 for e in errors)
+    assert errors[0] > errors[-2]
+    assert abs(errors[-1]) < 1e-3  # one tail token: the partition is the full distribution

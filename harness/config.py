@@ -138,7 +138,11 @@ class EvalConfig:
     seed: int = 1234  # item generation and lm-eval seeds
     batch_size: Optional[int] = None  # None: the model config's batch size
     divergence_max_tokens: int = 1024  # longer gold texts are truncated (long-context: window)
-    reference_topk: int = 0  # 0: exact full-vocabulary reference; k>0: top-k + tail (compact)
+    # How the reference distribution is cached: hidden (final hidden state + the reference's output
+    # head: exact, hidden_size floats/token) | logprobs (exact, vocab_size floats/token) | topk
+    # (top-k + tail: a lower bound of KL, ~6% low at k=256 on SmolLM2; see benchmarks/).
+    reference_store: str = "hidden"
+    reference_topk: int = 256  # k for reference_store=topk
     position_buckets: list[int] = field(default_factory=lambda: [0, 128, 512, 1024, 2048, 4096, 8192])
 
 

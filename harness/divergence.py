@@ -1,23 +1,60 @@
 """Token-level divergence of a quantized model from its reference on gold texts.
 
 The reference pass stores, per scored token, what the comparison needs: the log-prob of
-the actual next token, the reference's top-1, and either the full log-distribution
-(``topk=0``, exact) or its top-k entries plus the lumped tail (compact; KL computed on
-the top-k + tail partition is a lower bound of the exact KL by the log-sum inequality).
-The quantized pass then yields one row per token: NLL of both, KL in both directions,
-top-1 of both, probability of the actual token under both, and the token's position.
+the actual next token, the reference's top-1, and the reference distribution in one of
+three forms (``store``):
+
+- ``hidden`` (default): the final (post-norm) hidden state plus one frozen copy of the
+  reference's output head. The distribution is recomputed exactly when needed, at
+  ``hidden_size`` floats per token instead of ``vocab_size`` (576 vs 49,152 on SmolLM2),
+  which is what makes 8k-token long-context references affordable.
+- ``logprobs``: the full log-distribution (exact, ``vocab_size`` floats per token).
+- ``topk``: top-k log-probs plus the lumped tail; KL on that partition is a lower bound
+  of the exact KL (log-sum inequality). benchmarks/bench_reference_topk.py measured it at
+  5.9% low for k=256 on SmolLM2, so it is only an option for when nothing else fits.
+
+Both models' logits are computed the same way, chunk by chunk from hidden states, so a
+scheme that changes nothing gives bit-identical distributions (KL exactly 0).
+The quantized pass yields one row per token: NLL of both, KL in both directions, top-1 of
+both, probability of the actual token under both, and the token's position.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator, Literal
 
 import pandas as pd
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 TOKEN_COLUMNS = ["slice", "text", "position", "nll_ref", "nll_quant", "kl", "kl_reverse",
                  "top1_ref", "top1_quant", "p_ref", "p_quant"]
+Store = Literal["hidden", "logprobs", "topk"]
+CHUNK = 512  # tokens whose [chunk, vocab] logits are materialised at once
+
+
+class OutputHead(nn.Module):
+    """The map from final hidden state to logits: the model's output embedding (+ soft-cap)."""
+
+    def __init__(self, lm_head: nn.Module, softcap: float | None):
+        super().__init__()
+        self.lm_head = lm_head
+        self.softcap = softcap
+
+    @classmethod
+    def of(cls, model: nn.Module, *, frozen_copy: bool = False) -> "OutputHead":
+        head = model.get_output_embeddings()
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        softcap = getattr(config, "final_logit_softcapping", None)
+        return cls(copy.deepcopy(head).cpu() if frozen_copy else head, softcap)
+
+    def log_probs(self, hidden: Tensor) -> Tensor:
+        device = next(self.lm_head.parameters()).device
+        logits = self.lm_head(hidden.to(device=device, dtype=next(self.lm_head.parameters()).dtype)).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return torch.log_softmax(logits, dim=-1)
 
 
 @dataclass
@@ -25,79 +62,147 @@ class ReferenceText:
     input_ids: Tensor  # [T] token ids of the text (BOS included when the tokenizer adds it)
     target_logp: Tensor  # [T-1] log p_ref(actual next token)
     top1: Tensor  # [T-1]
-    logp: Tensor | None  # [T-1, V] full log-distribution (exact mode)
-    topk_ids: Tensor | None  # [T-1, k] (compact mode)
+    logp: Tensor | None  # [T-1, V] full log-distribution (store=logprobs)
+    topk_ids: Tensor | None  # [T-1, k] (store=topk)
     topk_logp: Tensor | None  # [T-1, k]
+    hidden: Tensor | None = None  # [T-1, H] final hidden states (store=hidden)
+    head: OutputHead | None = None  # the reference's frozen output head (store=hidden)
+
+    def log_probs(self, start: int, stop: int, device: torch.device) -> Tensor:
+        """Reference log-distribution for positions [start, stop) (exact stores only)."""
+        if self.hidden is not None:
+            assert self.head is not None, "hidden-state reference without its output head"
+            return self.head.log_probs(self.hidden[start:stop]).to(device)
+        assert self.logp is not None
+        return self.logp[start:stop].to(device)
 
 
 def tokenize(tokenizer: Any, text: str, max_tokens: int) -> Tensor:
-    ids = tokenizer(text, return_tensors="pt", truncation=True, max_length=max_tokens)["input_ids"][0]
-    return ids
+    return tokenizer(text, return_tensors="pt", truncation=True, max_length=max_tokens)["input_ids"][0]
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
 
 
 @torch.no_grad()
-def _log_probs(model: torch.nn.Module, input_ids: Tensor) -> Tensor:
-    device = next(model.parameters()).device
-    logits = model(input_ids.unsqueeze(0).to(device), use_cache=False).logits[0, :-1]
-    return torch.log_softmax(logits.float(), dim=-1)
+def final_hidden(model: nn.Module, input_ids: Tensor) -> Tensor:
+    """[T-1, H] post-norm hidden states predicting tokens 1..T-1 (no logits materialised)."""
+    out = model.get_decoder()(input_ids.unsqueeze(0).to(_device(model)), use_cache=False)
+    return out.last_hidden_state[0, :-1]
+
+
+def _chunks(n: int) -> Iterator[tuple[int, int]]:
+    for start in range(0, n, CHUNK):
+        yield start, min(start + CHUNK, n)
 
 
 @torch.no_grad()
-def score_reference(model: torch.nn.Module, tokenizer: Any, texts: list[str], *, max_tokens: int,
-                    topk: int = 0) -> list[ReferenceText]:
-    """Run the reference model over ``texts`` and keep what divergence needs (on CPU)."""
+def _log_probs(model: nn.Module, input_ids: Tensor) -> Tensor:
+    """[T-1, V] log-probs through the model's own head (used by the non-hidden stores)."""
+    hidden = final_hidden(model, input_ids)
+    head = OutputHead.of(model)
+    return torch.cat([head.log_probs(hidden[a:b]) for a, b in _chunks(len(hidden))])
+
+
+@torch.no_grad()
+def _check_head(model: nn.Module, head: OutputHead, input_ids: Tensor) -> None:
+    """The recomputed head must reproduce the model's logits (catches unusual output layers)."""
+    ids = input_ids[:64]
+    expected = torch.log_softmax(model(ids.unsqueeze(0).to(_device(model)), use_cache=False).logits[0, :-1].float(), -1)
+    got = head.log_probs(final_hidden(model, ids)).to(expected.device)
+    if not torch.allclose(got, expected, atol=1e-3, rtol=1e-3):
+        gap = (got - expected).abs().max().item()
+        raise RuntimeError(f"the output head recomputed from hidden states differs from the model's logits "
+                           f"(max |Δlogp| {gap:.3g}); use eval.reference_store=logprobs for this model")
+
+
+@torch.no_grad()
+def score_reference(model: nn.Module, tokenizer: Any, texts: list[str], *, max_tokens: int, topk: int = 0,
+                    store: Store | None = None) -> list[ReferenceText]:
+    """Run the reference model over ``texts`` and keep what divergence needs (on CPU).
+
+    ``store`` defaults to ``topk`` when ``topk > 0`` and to ``logprobs`` otherwise, so the
+    older keyword keeps its meaning; the pipeline passes ``store`` explicitly.
+    """
+    store = store or ("topk" if topk else "logprobs")
+    head = OutputHead.of(model, frozen_copy=True) if store == "hidden" else None
     out = []
-    for text in texts:
+    for index, text in enumerate(texts):
         ids = tokenize(tokenizer, text, max_tokens)
-        logp = _log_probs(model, ids)
-        targets = ids[1:].to(logp.device)
-        target_logp = logp.gather(-1, targets[:, None])[:, 0]
-        top1 = logp.argmax(-1)
-        if topk and topk < logp.shape[-1]:
-            values, indices = logp.topk(topk, dim=-1)
-            out.append(ReferenceText(ids, target_logp.cpu(), top1.cpu(), None, indices.int().cpu(), values.cpu()))
-        else:
-            out.append(ReferenceText(ids, target_logp.cpu(), top1.cpu(), logp.cpu(), None, None))
+        if head is not None and index == 0:
+            _check_head(model, head, ids)
+        hidden = final_hidden(model, ids)
+        targets = ids[1:]
+        live_head = OutputHead.of(model)
+        target_logp, top1, full, top_ids, top_logp = [], [], [], [], []
+        for a, b in _chunks(len(hidden)):
+            logp = live_head.log_probs(hidden[a:b]).cpu()
+            target_logp.append(logp.gather(-1, targets[a:b, None])[:, 0])
+            top1.append(logp.argmax(-1))
+            if store == "logprobs":
+                full.append(logp)
+            elif store == "topk":
+                values, indices = logp.topk(min(topk, logp.shape[-1]), dim=-1)
+                top_ids.append(indices.int())
+                top_logp.append(values)
+        out.append(ReferenceText(
+            ids, torch.cat(target_logp), torch.cat(top1),
+            torch.cat(full) if full else None,
+            torch.cat(top_ids) if top_ids else None, torch.cat(top_logp) if top_logp else None,
+            hidden.float().cpu() if store == "hidden" else None, head))
     return out
 
 
-def _kl_pair(ref: ReferenceText, logq: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-token KL(ref||quant) and KL(quant||ref), exact or on the top-k + tail partition."""
-    if ref.logp is not None:
-        logp = ref.logp.to(logq.device)
+def _kl_pair(ref: ReferenceText, logq: Tensor, start: int = 0) -> tuple[Tensor, Tensor]:
+    """Per-token KL(ref||quant) and KL(quant||ref) for positions [start, start+len(logq))."""
+    stop = start + len(logq)
+    if ref.topk_ids is None:
+        logp = ref.log_probs(start, stop, logq.device)
         p, q = logp.exp(), logq.exp()
         return (p * (logp - logq)).sum(-1), (q * (logq - logp)).sum(-1)
-    ids = ref.topk_ids.long().to(logq.device)
-    logp_k = ref.topk_logp.to(logq.device)
-    logq_k = logq.gather(-1, ids)
+    ids = ref.topk_ids[start:stop].long().to(logq.device)
+    logp_k = ref.topk_logp[start:stop].to(logq.device).double()
+    logq_k = logq.gather(-1, ids).double()
     p_k, q_k = logp_k.exp(), logq_k.exp()
-    p_tail = (1 - p_k.sum(-1)).clamp(min=1e-30)
+    p_tail = (1 - p_k.sum(-1)).clamp(min=1e-30)  # float64: the tail of a large k cancels badly in fp32
     q_tail = (1 - q_k.sum(-1)).clamp(min=1e-30)
     forward = (p_k * (logp_k - logq_k)).sum(-1) + p_tail * (p_tail.log() - q_tail.log())
     reverse = (q_k * (logq_k - logp_k)).sum(-1) + q_tail * (q_tail.log() - p_tail.log())
-    return forward, reverse
+    return forward.float(), reverse.float()
 
 
 @torch.no_grad()
-def compare_to_reference(model: torch.nn.Module, reference: list[ReferenceText], slice_name: str) -> pd.DataFrame:
+def compare_to_reference(model: nn.Module, reference: list[ReferenceText], slice_name: str) -> pd.DataFrame:
     """One row per scored token: the columns of ``TOKEN_COLUMNS``."""
     frames = []
+    head = OutputHead.of(model)
+    device = _device(model)
     for index, ref in enumerate(reference):
-        logq = _log_probs(model, ref.input_ids)
-        targets = ref.input_ids[1:].to(logq.device)
-        target_logq = logq.gather(-1, targets[:, None])[:, 0]
-        kl, kl_reverse = _kl_pair(ref, logq)
+        if ref.head is not None:
+            ref.head.to(device)  # the frozen reference head computes where the quantized one does
+        hidden = final_hidden(model, ref.input_ids)
+        targets = ref.input_ids[1:].to(hidden.device)
+        parts: dict[str, list[Tensor]] = {"target": [], "kl": [], "kl_reverse": [], "top1": []}
+        for a, b in _chunks(len(hidden)):
+            logq = head.log_probs(hidden[a:b])
+            parts["target"].append(logq.gather(-1, targets[a:b, None].to(logq.device))[:, 0].cpu())
+            kl, kl_reverse = _kl_pair(ref, logq, a)
+            parts["kl"].append(kl.cpu())
+            parts["kl_reverse"].append(kl_reverse.cpu())
+            parts["top1"].append(logq.argmax(-1).cpu())
+        target_logq = torch.cat(parts["target"]).double()
         frames.append(pd.DataFrame({
             "slice": slice_name,
             "text": index,
             "position": torch.arange(1, len(ref.input_ids)).numpy(),
             "nll_ref": (-ref.target_logp).double().numpy(),
-            "nll_quant": (-target_logq).double().cpu().numpy(),
-            "kl": kl.clamp(min=0).double().cpu().numpy(),
-            "kl_reverse": kl_reverse.clamp(min=0).double().cpu().numpy(),
+            "nll_quant": (-target_logq).numpy(),
+            "kl": torch.cat(parts["kl"]).clamp(min=0).double().numpy(),
+            "kl_reverse": torch.cat(parts["kl_reverse"]).clamp(min=0).double().numpy(),
             "top1_ref": ref.top1.numpy(),
-            "top1_quant": logq.argmax(-1).cpu().numpy(),
+            "top1_quant": torch.cat(parts["top1"]).numpy(),
             "p_ref": ref.target_logp.double().exp().numpy(),
-            "p_quant": target_logq.double().exp().cpu().numpy(),
+            "p_quant": target_logq.exp().numpy(),
         }))
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=TOKEN_COLUMNS)

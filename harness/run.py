@@ -51,6 +51,7 @@ class SliceReference:
     aggregates: dict[str, float]
     texts: list[divergence.ReferenceText]
     cached: bool
+    restored_requests: int = 0  # requests read back from an interrupted attempt's checkpoint
 
 
 def to_config(cfg: DictConfig | RunConfig) -> RunConfig:
@@ -81,7 +82,8 @@ def slice_identity(slice_: Slice) -> dict[str, Any]:
 
 def reference_key(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig) -> str:
     settings = {"chat_template": cfg.model.chat_template, "max_length": cfg.model.max_length, "seed": cfg.eval.seed,
-                "divergence_max_tokens": cfg.eval.divergence_max_tokens, "topk": cfg.eval.reference_topk,
+                "divergence_max_tokens": cfg.eval.divergence_max_tokens, "store": cfg.eval.reference_store,
+                "topk": cfg.eval.reference_topk,
                 "lm_eval": _version("lm_eval"), "transformers": _version("transformers"), "device": cfg.model.device}
     return stable_hash({"model": loaded.identity, "slice": slice_identity(slice_), "settings": settings}, 24)
 
@@ -115,23 +117,44 @@ def compute_reference(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig,
         entry = cache.entry("reference", key)
         if cache.complete("reference", key):
             log.info("reference for slice %s: reused from cache (%s)", slice_.name, entry)
-            texts = torch.load(entry / "divergence.pt", weights_only=False)
+            texts = load_reference_texts(entry / "divergence.pt", cache, loaded.key)
             return SliceReference(pd.read_parquet(entry / "records.parquet"),
                                   pd.read_json(entry / "aggregates.json", typ="series").to_dict(), texts, True)
         log.info("reference for slice %s: computing (cache miss %s)", slice_.name, key)
         settings = eval_settings(cfg, tokenizer_dir(loaded, cfg))
         lm = evaluate.make_lm(loaded.model, loaded.tokenizer, settings)
         checkpoint = entry.with_name(f"{key}.checkpoint")  # per-request results of an interrupted attempt
+        restored = evaluate.checkpoint_rows(checkpoint)
         records, aggregates = evaluate.evaluate_slice(lm, slice_, settings, checkpoint=checkpoint)
         texts = divergence_texts(slice_, cfg, settings)
         scored = divergence.score_reference(loaded.model, loaded.tokenizer, texts,
-                                            max_tokens=max_divergence_tokens(slice_, cfg), topk=cfg.eval.reference_topk)
+                                            max_tokens=max_divergence_tokens(slice_, cfg),
+                                            topk=cfg.eval.reference_topk, store=cfg.eval.reference_store)
         with cache.writing("reference", key) as tmp:
             records.to_parquet(tmp / "records.parquet")
             pd.Series(aggregates, dtype=float).to_json(tmp / "aggregates.json")
-            torch.save(scored, tmp / "divergence.pt")
+            save_reference_texts(tmp / "divergence.pt", scored, cache, loaded.key)
         evaluate.drop_checkpoint(checkpoint)
-        return SliceReference(records, aggregates, scored, False)
+        return SliceReference(records, aggregates, scored, False, restored)
+
+
+def save_reference_texts(path: Path, texts: list[divergence.ReferenceText], cache: Cache, model_key: str) -> None:
+    """Save per-token references; the frozen output head is stored once per model, not per slice."""
+    head = next((t.head for t in texts if t.head is not None), None)
+    if head is not None:
+        with cache.lock("heads", model_key):
+            if not cache.complete("heads", model_key):
+                with cache.writing("heads", model_key) as tmp:
+                    torch.save(head, tmp / "head.pt")
+    torch.save([dataclasses.replace(t, head=None) for t in texts], path)
+
+
+def load_reference_texts(path: Path, cache: Cache, model_key: str) -> list[divergence.ReferenceText]:
+    texts = torch.load(path, weights_only=False)
+    if any(t.hidden is not None for t in texts):
+        head = torch.load(cache.entry("heads", model_key) / "head.pt", weights_only=False)
+        texts = [dataclasses.replace(t, head=head if t.hidden is not None else None) for t in texts]
+    return texts
 
 
 def max_divergence_tokens(slice_: Slice, cfg: RunConfig) -> int:
@@ -227,7 +250,8 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
         "lm_eval_aggregates": {"reference": {k: v for r in references.values() for k, v in r.aggregates.items()},
                                "quantized": aggregates},
         "machine": _machine(), "tags": dict(cfg.tracking.tags), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "checkpoint": {"restored_requests": restored, "requests": requests},
+        "checkpoint": {"restored_requests": restored, "requests": requests,
+                       "reference_restored_requests": {n: r.restored_requests for n, r in references.items()}},
     }
     with timings.stage("write"):
         write_results(results_dir, cfg, comparison, tokens, quant_report, result)
@@ -276,7 +300,8 @@ def _log_to_mlflow(results_dir: Path, cfg: RunConfig, uri: str, problem: str | N
         log.warning("not logged to MLflow (%s). Later: python -m harness.sync %s", problem, results_dir)
         return
     try:
-        run_id = tracking.log_results(results_dir, uri=uri, experiment=cfg.tracking.experiment)
+        run_id = tracking.log_results(results_dir, uri=uri, experiment=cfg.tracking.experiment,
+                                      tags=cfg.tracking.tags)
         log.info("MLflow run %s in %s (experiment %s)", run_id, uri, cfg.tracking.experiment)
     except Exception as exc:  # tracking must never lose a finished result
         log.warning("MLflow logging failed (%s: %s); results are safe in %s. Later: python -m harness.sync %s",

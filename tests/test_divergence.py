@@ -116,3 +116,23 @@ def test_topk_error_shrinks_and_vanishes_with_one_tail_token(models):
     assert all(e >= -1e-5 for e in errors)
     assert errors[0] > errors[-2]
     assert abs(errors[-1]) < 1e-3  # one tail token: the partition is the full distribution
+
+
+def test_hidden_state_store_is_exact_and_small(models):
+    """store=hidden recomputes the reference distribution from the final hidden state and a frozen
+    copy of the output head: identical to the full-logprob store, at hidden_size floats per token,
+    and immune to a scheme that later modifies the live model's head."""
+    reference, quantized = models
+    full = compare_to_reference(quantized, score_reference(reference, CharTokenizer(), TEXTS, max_tokens=512,
+                                                           store="logprobs"), "s")
+    live = copy.deepcopy(reference)
+    refs = score_reference(live, CharTokenizer(), TEXTS, max_tokens=512, store="hidden")
+    with torch.no_grad():
+        live.lm_head.weight.mul_(0.5)  # must not leak into the stored reference
+    hidden = compare_to_reference(quantized, refs, "s")
+    for column in ("kl", "kl_reverse", "nll_ref", "nll_quant", "top1_ref", "p_ref"):
+        np.testing.assert_allclose(hidden[column], full[column], rtol=1e-5, atol=1e-7)
+    assert refs[0].hidden.shape[-1] == 64 and refs[0].logp is None
+    same = compare_to_reference(reference, score_reference(reference, CharTokenizer(), TEXTS, max_tokens=512,
+                                                           store="hidden"), "s")
+    assert (same["kl"] == 0).all() and (same["kl_reverse"] == 0).all()

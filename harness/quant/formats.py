@@ -16,6 +16,7 @@ Conventions shared by all functions, chosen so one bad element cannot silently d
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal
 
@@ -58,7 +59,7 @@ _E8M0_MIN_EXP, _E8M0_MAX_EXP = -127, 127
 # ----------------------------------------------------------------------------------------- helpers
 def _finite_abs(x: Tensor) -> Tensor:
     """|x| with NaN and ±Inf replaced by 0, so that scales come from finite values only."""
-    return torch.where(torch.isfinite(x), x.abs(), 0.0)
+    return x.abs().nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # one fused pass (vs isfinite + where)
 
 
 def _all_dims(x: Tensor) -> tuple[int, ...]:
@@ -89,10 +90,25 @@ def _fp8_spec(fmt: str) -> tuple[float, torch.dtype]:
     return FP8_MAX[fmt], _FP8_DTYPE[fmt]
 
 
-def _fp8_round(x: Tensor, fmt: str) -> Tensor:
-    """Saturating float32 → FP8 → float32 round trip (see :func:`fp8_cast`)."""
+@functools.lru_cache(maxsize=None)
+def _fp8_decode_table(dtype: torch.dtype) -> Tensor:
+    """float32 value of each of the 256 codes of an FP8 dtype, from torch's own cast (CPU)."""
+    return torch.arange(256, dtype=torch.uint8).view(dtype).to(torch.float32)
+
+
+def _fp8_round(x: Tensor, fmt: str, *, overwrite: bool = False) -> Tensor:
+    """Saturating float32 → FP8 → float32 round trip (see :func:`fp8_cast`).
+
+    On CPU the FP8 → float32 cast is a slow scalar loop; decoding the codes through a 256-entry
+    table built from that very cast gives the same values (bitwise) about 4x faster.
+    ``overwrite=True`` lets the clamp reuse ``x`` (a temporary of the caller's).
+    """
     fmax, dtype = _fp8_spec(fmt)
-    return x.clamp(-fmax, fmax).to(dtype).to(torch.float32)
+    encoded = (x.clamp_(-fmax, fmax) if overwrite else x.clamp(-fmax, fmax)).to(dtype)
+    if encoded.device.type != "cpu":
+        return encoded.to(torch.float32)
+    codes = encoded.view(torch.uint8).reshape(-1).to(torch.int32)
+    return _fp8_decode_table(dtype).index_select(0, codes).reshape(encoded.shape)
 
 
 def _exp2_int(exponent: Tensor) -> Tensor:
@@ -135,11 +151,11 @@ def int_qparams(
     _check_int_bits(bits)
     xf = x.to(torch.float32)
     dims = _all_dims(xf) if dim is None else dim
-    finite = torch.isfinite(xf)
     if symmetric:
         amax = _finite_abs(xf).amax(dim=dims, keepdim=True)
         scale = torch.where(amax > 0, amax / (2 ** (bits - 1) - 1), 1.0)
         return scale, torch.zeros_like(scale)
+    finite = torch.isfinite(xf)
     xmin = torch.where(finite, xf, float("inf")).amin(dim=dims, keepdim=True)
     xmax = torch.where(finite, xf, float("-inf")).amax(dim=dims, keepdim=True)
     empty = xmin > xmax
@@ -166,7 +182,7 @@ def int_fake_quant(x: Tensor, scale: Tensor, zero: Tensor, bits: int, *, symmetr
     zero = zero.to(device=xf.device, dtype=torch.float32)
     if symmetric:
         qmax = 2 ** (bits - 1) - 1
-        out = torch.clamp(torch.round(xf / scale), -qmax, qmax) * scale
+        out = (xf / scale).round_().clamp_(-qmax, qmax).mul_(scale)  # in place on the fresh quotient
     else:
         q = torch.clamp(torch.round(xf / scale) + zero, 0, 2**bits - 1)
         out = (q - zero) * scale
@@ -261,7 +277,7 @@ def fp8_quantize(
         return (_fp8_round(xf / static, fmt) * static).to(x.dtype)
     if granularity == "block":
         dynamic = _fp8_block_scales(xf, fmt, block_shape)
-        return (_fp8_round(xf / dynamic, fmt) * dynamic).to(x.dtype)
+        return _fp8_round(xf / dynamic, fmt, overwrite=True).mul_(dynamic).to(x.dtype)
     if granularity == "group":
         view, dims = _split_last(xf, group_size, "group_size"), (-1,)
     elif granularity in ("channel", "token"):
@@ -272,7 +288,7 @@ def fp8_quantize(
         raise ValueError(f"unknown granularity {granularity!r}; use tensor, channel, token, group or block")
     amax = _finite_abs(view).amax(dim=dims, keepdim=True)
     dynamic = torch.where(amax > 0, amax / fmax, 1.0)
-    return (_fp8_round(view / dynamic, fmt) * dynamic).reshape(x.shape).to(x.dtype)
+    return _fp8_round(view / dynamic, fmt, overwrite=True).mul_(dynamic).reshape(x.shape).to(x.dtype)
 
 
 # --------------------------------------------------------------------------------------- FP4 / MX
@@ -284,9 +300,9 @@ def e2m1_round(x: Tensor) -> Tensor:
     NaN; the sign of zero is kept.
     """
     xf = x.to(torch.float32)
-    magnitude = xf.abs().clamp(max=E2M1_MAX)
+    magnitude = xf.abs().clamp_(max=E2M1_MAX)
     step = torch.where(magnitude < 2.0, 0.5, torch.where(magnitude < 4.0, 1.0, 2.0))
-    return torch.copysign(torch.round(magnitude / step) * step, xf).to(x.dtype)
+    return (magnitude / step).round_().mul_(step).copysign_(xf).to(x.dtype)
 
 
 def nvfp4_global_scale(x: Tensor) -> Tensor:
@@ -321,8 +337,8 @@ def nvfp4_quantize(x: Tensor, *, global_scale: Tensor | float | None = None) -> 
     block_scale = _fp8_round(gs * amax / E2M1_MAX, "e4m3")
     block_scale = torch.where(block_scale == 0, NVFP4_ZERO_BLOCK_SCALE, block_scale)
     scale = block_scale / gs
-    q = e2m1_round((blocks / scale).clamp(-E2M1_MAX, E2M1_MAX))
-    return (q * scale).reshape(x.shape).to(x.dtype)
+    q = e2m1_round((blocks / scale).clamp_(-E2M1_MAX, E2M1_MAX))
+    return q.mul_(scale).reshape(x.shape).to(x.dtype)
 
 
 def mx_quantize(x: Tensor, elem: MxElement = "fp4_e2m1", *, block_size: int = 32) -> Tensor:

@@ -1,0 +1,244 @@
+"""``python -m harness.report_quant model=... quant=... [--gpus H100,H200,B200]`` — what a scheme does to the weights.
+
+Loads the model, applies the scheme and reports, per quantized linear, the SQNR and relative RMS
+error of its weights, then the bits per weight including scales, the model's weight size in GB
+and the batch-1 decode floor: decode reads every weight once per token, so time per token is at
+least weight bytes ÷ memory bandwidth. The floor is given for this model and, at the same bits
+per weight, for nominal 8B and 70B models (the quantization primers' table: 70B in BF16 is
+140 GB, 41.8 ms/token on an H100's 3.35 TB/s). Tables are written as Markdown and CSV under
+``<paths.results_dir>/quant_report/<model>__<scheme>/``.
+
+The overrides are the run's own (same config, composed by :func:`harness.config.compose`);
+``--gpus`` takes names from :data:`GPU_BANDWIDTH` or ``NAME=TB/s`` pairs.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from omegaconf import OmegaConf
+
+from harness import models, quant
+from harness.cache import Cache, atomic_write_text
+from harness.config import RunConfig, compose
+from harness.quant import smoothquant  # noqa: F401  (registers "smoothquant")
+from harness.quant.base import QuantReport
+
+log = logging.getLogger(__name__)
+
+# Peak HBM bandwidth in bytes/s (vendor datasheets; SXM parts).
+GPU_BANDWIDTH: dict[str, float] = {
+    "A100": 2.039e12,  # A100 80GB SXM
+    "H100": 3.35e12,  # H100 SXM
+    "H200": 4.8e12,
+    "B200": 8.0e12,
+    "MI300X": 5.3e12,
+}
+DEFAULT_GPUS = ("H100", "H200", "B200")
+# Nominal sizes of the extrapolation rows (all parameters at the scheme's bits per weight).
+EXTRAPOLATE_PARAMS: dict[str, float] = {"8B": 8e9, "70B": 70e9}
+REFERENCE_BITS = 16  # the unquantized deployment: BF16
+
+
+def decode_floor_ms(weight_bytes: float, bandwidth: float) -> float:
+    """Batch-1 decode floor in ms/token: every weight byte read once per generated token."""
+    if bandwidth <= 0:
+        raise ValueError(f"bandwidth must be positive bytes/s, got {bandwidth}")
+    return weight_bytes / bandwidth * 1e3
+
+
+def decode_floor_table(report: QuantReport, gpus: dict[str, float], *, model_name: str = "this model",
+                       sizes: dict[str, float] | None = None) -> pd.DataFrame:
+    """Weight size and decode floor of this model and of nominal larger ones, BF16 vs the scheme.
+
+    Rows: this model in BF16 and as quantized (kept layers at 16 bits, ``report.weight_bits``);
+    then each of ``sizes`` (default 8B, 70B) in BF16 and with *all* parameters at the quantized
+    layers' bits per weight (scales included), as the primers' tables count. One column
+    ``ms_per_token_<GPU>`` per entry of ``gpus`` (name → bytes/s).
+    """
+    sizes = EXTRAPOLATE_PARAMS if sizes is None else sizes
+    summary = report.summary()
+    scheme_bits = float(summary["bits_per_weight"])
+    rows: list[dict[str, Any]] = [
+        {"model": model_name, "precision": "bf16", "params": report.total_params,
+         "bits_per_weight": float(REFERENCE_BITS), "weight_bits": report.total_params * REFERENCE_BITS},
+        {"model": model_name, "precision": report.scheme, "params": report.total_params,
+         "bits_per_weight": report.weight_bits / max(report.total_params, 1), "weight_bits": report.weight_bits},
+    ]
+    for size, params in sizes.items():
+        rows.append({"model": size, "precision": "bf16", "params": params, "bits_per_weight": float(REFERENCE_BITS),
+                     "weight_bits": params * REFERENCE_BITS})
+        rows.append({"model": size, "precision": report.scheme, "params": params, "bits_per_weight": scheme_bits,
+                     "weight_bits": params * scheme_bits})
+    for row in rows:
+        weight_bytes = row.pop("weight_bits") / 8
+        row["weight_gb"] = weight_bytes / 1e9
+        for gpu, bandwidth in gpus.items():
+            row[f"ms_per_token_{gpu}"] = decode_floor_ms(weight_bytes, bandwidth)
+    return pd.DataFrame(rows)
+
+
+def decode_floor_metrics(table: pd.DataFrame) -> dict[str, float]:
+    """Flat metrics of a :func:`decode_floor_table` for MLflow, e.g. ``decode_floor/70B/H100_ms``."""
+    metrics: dict[str, float] = {}
+    quantized = table[table["precision"] != "bf16"]
+    for row in quantized.to_dict("records"):
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(row["model"]))
+        metrics[f"decode_floor/{name}/weight_gb"] = float(row["weight_gb"])
+        for column, value in row.items():
+            if column.startswith("ms_per_token_"):
+                metrics[f"decode_floor/{name}/{column.removeprefix('ms_per_token_')}_ms"] = float(value)
+    return metrics
+
+
+def layer_table(report: QuantReport) -> pd.DataFrame:
+    """One row per quantized linear: shape, bits per weight (scales included), SQNR, relative RMS error."""
+    columns = ["name", "out_features", "in_features", "bits_per_weight", "sqnr_db", "rel_rms"]
+    return pd.DataFrame(report.to_records(), columns=columns)
+
+
+def parse_gpus(spec: str) -> dict[str, float]:
+    """``"H100,H200,X=2.5"`` → name → bytes/s (known names from GPU_BANDWIDTH; ``NAME=TB/s`` for others)."""
+    gpus: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        if "=" in item:
+            name, value = item.split("=", 1)
+            try:
+                gpus[name.strip()] = float(value) * 1e12
+            except ValueError:
+                raise ValueError(f"--gpus {item!r}: bandwidth must be a number of TB/s, e.g. H100=3.35") from None
+        elif item in GPU_BANDWIDTH:
+            gpus[item] = GPU_BANDWIDTH[item]
+        else:
+            raise ValueError(f"--gpus: unknown GPU {item!r}; known {sorted(GPU_BANDWIDTH)}, or give NAME=TB/s")
+    if not gpus:
+        raise ValueError("--gpus selects no GPU")
+    return gpus
+
+
+# ------------------------------------------------------------------------ model + scheme, shared
+@dataclass
+class Prepared:
+    loaded: models.LoadedModel
+    scheme: Any  # QuantConfig with the model's defaults filled in
+    context: Any  # CalibrationContext
+
+
+def prepare(cfg: RunConfig) -> Prepared:
+    """Check the scheme, load the model and build its calibration context (no quantization yet)."""
+    from harness.quant.calibration import CalibrationContext
+
+    scheme = quant.with_model_defaults(cfg.quant, cfg.model.ragged_groups)
+    quant.validate_scheme(scheme)
+    models.check_available(cfg.model)
+    loaded = models.load(cfg.model, cfg.paths.cache_dir)
+    quant.validate_for_model(loaded.model, scheme)
+    context = CalibrationContext(model_key=loaded.key, tokenizer=loaded.tokenizer, config=scheme.calibration,
+                                 device=torch.device(cfg.model.device), cache=Cache(cfg.paths.cache_dir), scheme=scheme)
+    return Prepared(loaded, scheme, context)
+
+
+def split_cli(argv: list[str], parser: argparse.ArgumentParser) -> tuple[argparse.Namespace, RunConfig]:
+    """Own ``--options`` for ``parser``, everything else Hydra overrides of the run config."""
+    options, overrides = parser.parse_known_args(argv)
+    unknown = [o for o in overrides if o.startswith("--")]
+    if unknown:
+        parser.error(f"unknown options {unknown}")
+    return options, OmegaConf.to_object(compose(overrides))  # type: ignore[return-value]
+
+
+def output_dir(cfg: RunConfig, kind: str) -> Path:
+    safe = re.sub(r"[^A-Za-z0-9_.+-]+", "_", f"{cfg.model.name}__{cfg.quant.name}")
+    return Path(cfg.paths.results_dir) / kind / safe
+
+
+# ---------------------------------------------------------------------------------- the report
+@dataclass
+class QuantReportTables:
+    summary: dict[str, Any]
+    layers: pd.DataFrame
+    decode_floor: pd.DataFrame
+    directory: Path
+
+    def markdown(self) -> str:
+        s = self.summary
+        lines = [
+            f"# Quantization report: {s['model']} · {s['scheme']} ({s['method']})", "",
+            f"- quantized linears: {s['layers_quantized']} ({s['quantized_fraction']:.1%} of {s['total_params']:,} "
+            f"parameters); kept in high precision: {', '.join(s['kept']) or 'none'}",
+            f"- bits per weight of the quantized linears, scales included: {s['bits_per_weight']:.4f}",
+            f"- bits per parameter over the whole model (kept layers at 16): {s['bits_per_param_total']:.4f}",
+            f"- weight size: {s['weight_gb']:.4f} GB (BF16: {s['bf16_gb']:.4f} GB)",
+            f"- weight SQNR: mean {s['sqnr_db_mean']:.2f} dB, min {s['sqnr_db_min']:.2f} dB; "
+            f"quantized in {s['quantize_s']:.2f} s",
+            *(f"- note: {note}" for note in s["notes"]),
+            "", "## Batch-1 decode floor (weight bytes ÷ memory bandwidth)", "",
+            _floor_markdown(self.decode_floor), "",
+            "8B/70B rows: all parameters at the quantized layers' bits per weight (nominal 8e9 / 70e9 parameters).",
+            "", "## Per-layer weight error", "",
+            self.layers.to_markdown(index=False, floatfmt=".4g") if len(self.layers) else "(no quantized weights)",
+        ]
+        return "\n".join(lines) + "\n"
+
+
+def _floor_markdown(table: pd.DataFrame) -> str:
+    shown = table.copy()
+    shown["params"] = shown["params"].map(lambda p: f"{p / 1e9:.3g}B")
+    return shown.to_markdown(index=False, floatfmt=".4g")
+
+
+def build_tables(report: QuantReport, *, model_name: str, gpus: dict[str, float], directory: Path) -> QuantReportTables:
+    summary = report.summary()
+    summary.update({"model": model_name, "scheme": report.scheme, "method": report.method, "kept": list(report.kept),
+                    "total_params": report.total_params, "notes": list(report.notes),
+                    "bf16_gb": report.total_params * REFERENCE_BITS / 8 / 1e9})
+    return QuantReportTables(summary, layer_table(report), decode_floor_table(report, gpus, model_name=model_name),
+                             directory)
+
+
+def write_tables(tables: QuantReportTables) -> None:
+    tables.directory.mkdir(parents=True, exist_ok=True)
+    tables.layers.to_csv(tables.directory / "layers.csv", index=False)
+    tables.decode_floor.to_csv(tables.directory / "decode_floor.csv", index=False)
+    atomic_write_text(tables.directory / "report.md", tables.markdown())
+
+
+def report_quant(cfg: RunConfig, gpus: dict[str, float] | None = None, directory: Path | None = None) -> QuantReportTables:
+    """Load, quantize and tabulate; writes report.md, layers.csv and decode_floor.csv."""
+    gpus = {name: GPU_BANDWIDTH[name] for name in DEFAULT_GPUS} if gpus is None else gpus
+    prepared = prepare(cfg)
+    report = quant.apply(prepared.loaded.model, prepared.scheme, prepared.context)
+    tables = build_tables(report, model_name=cfg.model.name, gpus=gpus,
+                          directory=directory or output_dir(cfg, "quant_report"))
+    write_tables(tables)
+    log.info("quantization report written to %s", tables.directory)
+    return tables
+
+
+def main(argv: list[str] | None = None) -> QuantReportTables:
+    parser = argparse.ArgumentParser(prog="python -m harness.report_quant",
+                                     description="Per-layer weight error, bits per weight, size and decode floor of a "
+                                                 "scheme. Other arguments are Hydra overrides (model=... quant=...).")
+    parser.add_argument("--gpus", default=",".join(DEFAULT_GPUS),
+                        help=f"comma list of {sorted(GPU_BANDWIDTH)} or NAME=TB/s (default %(default)s)")
+    parser.add_argument("--out", type=Path, default=None, help="output directory (default results/quant_report/...)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (1 is much faster than 2 on a machine whose cores are busy)")
+    options, cfg = split_cli(list(sys.argv[1:] if argv is None else argv), parser)
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    tables = report_quant(cfg, parse_gpus(options.gpus), options.out)
+    print(tables.markdown())
+    return tables
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    main()

@@ -1,0 +1,358 @@
+"""AWQ [Lin et al. 2023]: activation-aware per-channel scales, folded away, then round-to-nearest.
+
+For each group of linears sharing an input (the adapter's groups: q/k/v after the attention
+norm, o after v where shapes allow, gate/up after the MLP norm, down after up), the input
+channels are scaled by ``s = mean|x|^α`` (normalised by ``sqrt(max s · min s)``; with
+``duo_scaling`` divided by ``mean|ŵ|^(1-α)`` of the group-normalised weights), α on a grid
+of ``awq.grid`` points in [0, 1). The α minimising the MSE of the group's inspected module
+output (llm-awq's ``module2inspect``: the attention for q/k/v, the MLP for gate/up, the
+linear itself for o and down) with weights ``Q(W·s)/s`` wins. ``1/s`` is folded into the
+preceding norm (Gemma's ``(1 + w)`` form included) or linear and ``s`` into the linears'
+input columns: an exact equivalence before rounding. An optional clipping search then
+shrinks each (row, group) maximum by up to ``max_shrink`` to minimise that group's output
+error on sampled tokens (q and k are never clipped, as in llm-awq), and the scaled weights
+are rounded to nearest on ``scheme.weights``' grid (the same grid as RTN: with the single
+grid point α = 0 and no clipping, AWQ equals RTN).
+
+As in llm-awq, every block sees the full-precision outputs of the blocks before it (the
+transforms are equivalences), scales are searched on the unmodified block and then applied.
+The loss of the α and clip searches is measured on the first ``search_samples`` calibration
+sequences; the activation statistics use all of them.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from harness.config import QuantConfig, TensorQuantConfig
+from harness.quant.adapters import (Adapter, BlockProgress, LinearGroup, block_on_device, capture_block_inputs,
+                                    get_adapter, make_batches, round_outside_blocks, run_block,
+                                    small_ops_threads)
+from harness.quant.base import QuantReport, bits_for, register_method, target_linears
+from harness.quant.calibrated_cache import run_cached
+from harness.quant.tensor import SchemeError, fake_quantize
+
+log = logging.getLogger(__name__)
+
+# Sequences on which the α and clip losses are measured (0: all). Full-precision statistics
+# always use every sequence. 8 × 512 tokens keeps SmolLM2 on a 2-core CPU within minutes;
+# on a GPU use all (quant.awq.search_samples=0 once the config carries the field).
+DEFAULT_SEARCH_SAMPLES = 8
+CLIP_TOKENS = 512  # llm-awq's n_sample_token for the clip search
+CLIP_BATCH_ELEMENTS = 1 << 24  # rows × tokens × groups per clip-search batch (64 MiB of float32 outputs)
+
+
+def candidate_scales(x_mean: Tensor, ratio: float, w_mean: Tensor | None = None) -> Tensor:
+    """``mean|x|^α`` (or duo ``mean|x|^α / mean|ŵ|^(1-α)``), clamped at 1e-4, normalised to geometric centre 1."""
+    if w_mean is None:
+        scales = x_mean.pow(ratio).clamp(min=1e-4)
+    else:
+        scales = (x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + 1e-4)).clamp(min=1e-4)
+    return scales / (scales.max() * scales.min()).sqrt()
+
+
+def group_segments(columns: int, spec: TensorQuantConfig) -> list[tuple[int, int, int]]:
+    """``(start, end, size)`` runs of equal-size quantization groups along the input dimension.
+
+    One run of ``group_size`` groups, plus a shorter last group when ragged groups allow it;
+    per channel (and per tensor, for clipping purposes) a whole row is one group.
+    """
+    size = spec.group_size if spec.granularity == "group" else columns
+    full = columns - columns % size
+    runs = [(0, full, size)] if full else []
+    return runs + ([(full, columns, columns - full)] if full < columns else [])
+
+
+def weight_mean(weights: list[Tensor], spec: TensorQuantConfig) -> Tensor:
+    """Per input channel mean of ``|W|`` normalised by its quantization group's max (duo scaling)."""
+    stacked = torch.cat([w.float() for w in weights], dim=0).abs()
+    parts = []
+    for start, end, size in group_segments(stacked.shape[1], spec):
+        groups = stacked[:, start:end].reshape(stacked.shape[0], -1, size)
+        parts.append((groups / (groups.amax(dim=-1, keepdim=True) + 1e-6)).reshape(stacked.shape[0], -1))
+    return torch.cat(parts, dim=1).mean(dim=0)
+
+
+@dataclass
+class ScaleSearch:
+    scales: Tensor
+    ratio: float
+    losses: list[float]
+
+
+@torch.no_grad()
+def search_scales(linears: list[nn.Linear], quantize: list[bool], inspect: Callable[[], list[Tensor]],
+                  x_mean: Tensor, spec: TensorQuantConfig, *, grid: int, duo_scaling: bool) -> ScaleSearch:
+    """Grid search of α: the scales whose ``Q(W·s)/s`` weights best reproduce ``inspect()``'s outputs.
+
+    ``inspect`` runs the inspected module on the search inputs with the linears' current
+    weights. The linears' weights are restored before returning.
+    """
+    if grid < 1:
+        raise SchemeError(f"quant.awq.grid={grid} must be at least 1")
+    originals = [linear.weight.data for linear in linears]
+    reference = inspect()
+    total = sum(r.numel() for r in reference)
+    w_mean = weight_mean(originals, spec) if duo_scaling else None
+    best: tuple[float, Tensor, float] | None = None
+    losses = []
+    try:
+        for step in range(grid):
+            ratio = step / grid
+            scales = candidate_scales(x_mean, ratio, w_mean)
+            with small_ops_threads(x_mean.device):  # memory-bound element-wise passes
+                for linear, original, rounded in zip(linears, originals, quantize):
+                    if rounded:
+                        scaled = fake_quantize(original.float() * scales, spec) / scales
+                        linear.weight.data = scaled.to(original.dtype)
+            error = sum(float((out.float() - ref.float()).pow(2).sum()) for out, ref in zip(inspect(), reference))
+            losses.append(error / max(total, 1))
+            if best is None or losses[-1] < best[0]:
+                best = (losses[-1], scales, ratio)
+    finally:
+        for linear, original in zip(linears, originals):
+            linear.weight.data = original
+    assert best is not None
+    if not math.isfinite(best[0]):
+        raise RuntimeError("AWQ: the scale search loss is not finite (NaN/Inf activations in this block)")
+    return ScaleSearch(scales=best[1], ratio=best[2], losses=losses)
+
+
+@torch.no_grad()
+def fold_scales(prev: nn.Module, linears: list[nn.Linear], scales: Tensor, norm_offset: float = 0.0) -> None:
+    """Divide ``prev``'s output by ``scales`` and multiply the linears' input columns by them.
+
+    ``prev`` is a Linear (rows and bias divided) or a norm with an affine ``weight`` (and
+    optional ``bias``) that multiplies by ``norm_offset + weight``.
+    """
+    scales = scales.float()
+    if isinstance(prev, nn.Linear):
+        prev.weight.data = (prev.weight.float() / scales[:, None]).to(prev.weight.dtype)
+    else:
+        weight = getattr(prev, "weight", None)
+        if not isinstance(weight, Tensor) or weight.shape != scales.shape:
+            raise SchemeError(f"AWQ cannot fold scales into {type(prev).__name__}: it has no per-channel weight of "
+                              f"size {scales.numel()}; fix the adapter's groups")
+        # (offset + w') = (offset + w) / s, written so that small w keep their precision and s = 1 is exact.
+        prev.weight.data = ((weight.float() + norm_offset * (1 - scales)) / scales).to(weight.dtype)
+    bias = getattr(prev, "bias", None)
+    if isinstance(bias, Tensor):
+        prev.bias.data = (bias.float() / scales).to(bias.dtype)
+    for linear in linears:
+        linear.weight.data = (linear.weight.float() * scales).to(linear.weight.dtype)
+
+
+@torch.no_grad()
+def search_clip(weight: Tensor, inputs: Tensor, spec: TensorQuantConfig, *, grid: int, max_shrink: float) -> Tensor:
+    """Per (row, group) maximum ``m`` minimising that group's output error of ``Q(clamp(W, ±m))``.
+
+    ``inputs`` is ``[tokens, in]``. Candidates shrink the group's max by ``k/grid`` for
+    ``k < max_shrink·grid`` (llm-awq ``auto_clip``). Returns the chosen bound of every weight
+    element (shape of ``weight``), to be applied as ``clamp(W, -bound, bound)``.
+    """
+    rows, columns = weight.shape
+    bounds = torch.empty(rows, columns, dtype=torch.float32, device=weight.device)
+    for start, end, size in group_segments(columns, spec):
+        segment_spec = TensorQuantConfig(format=spec.format, bits=spec.bits, symmetric=spec.symmetric,
+                                         granularity="group", group_size=size)
+        x = inputs[:, start:end].float().reshape(len(inputs), -1, size)
+        batch_rows = max(1, CLIP_BATCH_ELEMENTS // (x.shape[0] * x.shape[1]))
+        for first in range(0, rows, batch_rows):
+            w = weight[first:first + batch_rows, start:end].float()
+            w = w.reshape(len(w), -1, size)
+            original_max = w.abs().amax(dim=-1, keepdim=True)
+            reference = torch.einsum("ngk,rgk->rng", x, w)
+            best_max, best_err = original_max.clone(), torch.full_like(original_max, float("inf"))
+            for step in range(max(1, int(max_shrink * grid))):
+                bound = original_max * (1 - step / grid)
+                clipped = torch.maximum(torch.minimum(w, bound), -bound)
+                rounded = fake_quantize(clipped.reshape(len(w), -1), segment_spec).reshape(clipped.shape)
+                err = (torch.einsum("ngk,rgk->rng", x, rounded) - reference).pow(2).mean(dim=1).unsqueeze(-1)
+                better = err < best_err
+                best_err, best_max = torch.where(better, err, best_err), torch.where(better, bound, best_max)
+            bounds[first:first + len(w), start:end] = best_max.expand_as(w).reshape(len(w), -1)
+    return bounds
+
+
+@dataclass
+class _GroupCapture:
+    """What one forward pass records for a group: |x| statistics, search inputs, inspect calls."""
+
+    abs_sum: Tensor | None = None
+    count: int = 0
+    inputs: list[Tensor] = field(default_factory=list)
+    calls: list[tuple[tuple, dict]] = field(default_factory=list)
+
+
+@dataclass
+class AWQOutcome:
+    changed: list[str]  # parameter names modified
+    input_scales: dict[str, Tensor]  # linear → s multiplied into its input columns
+    output_scales: dict[str, Tensor]  # linear → s its output rows were divided by (it is a fold target)
+    ratios: dict[str, float]  # "<block>.<prev>" → chosen α
+
+
+def _record(block: nn.Module, groups: list[LinearGroup], foldable: set[str],
+            searching: list[bool]) -> tuple[list, dict[str, _GroupCapture]]:
+    """Hooks recording each group's inputs on the search batches (for clipping), and for foldable
+    groups also the |x| statistics over all batches and the inspected module's calls."""
+    captures = {g.prev: _GroupCapture() for g in groups}
+    handles = []
+    for group in groups:
+        capture, scaled = captures[group.prev], group.prev in foldable
+
+        def inputs(_module: nn.Module, args: tuple, capture: _GroupCapture = capture, scaled: bool = scaled) -> None:
+            x = args[0].detach()
+            if scaled:
+                flat = x.reshape(-1, x.shape[-1]).float().abs().sum(dim=0)
+                capture.abs_sum = flat if capture.abs_sum is None else capture.abs_sum + flat
+                capture.count += x.numel() // x.shape[-1]
+            if searching[0]:
+                capture.inputs.append(x)
+
+        def calls(_module: nn.Module, args: tuple, kwargs: dict, capture: _GroupCapture = capture) -> None:
+            if searching[0]:
+                capture.calls.append((args, kwargs))
+
+        handles.append(block.get_submodule(group.linears[0]).register_forward_pre_hook(inputs))
+        if scaled:
+            handles.append(block.get_submodule(group.inspect).register_forward_pre_hook(calls, with_kwargs=True))
+    return handles, captures
+
+
+def _inspector(module: nn.Module, calls: list[tuple[tuple, dict]]) -> Callable[[], list[Tensor]]:
+    def run() -> list[Tensor]:
+        outs = [module(*args, **kwargs) for args, kwargs in calls]
+        return [o[0] if isinstance(o, (tuple, list)) else o for o in outs]
+    return run
+
+
+@torch.no_grad()
+def quantize_awq(model: nn.Module, scheme: QuantConfig, tokens: Tensor, device: torch.device | str,
+                 report: QuantReport, *, batch_size: int = 8, search_samples: int = DEFAULT_SEARCH_SAMPLES,
+                 apply_quantization: bool = True) -> AWQOutcome:
+    """AWQ every target linear of ``model`` in place.
+
+    With ``apply_quantization=False`` only the (searched) scales are folded: the model then
+    computes the same function as before, which the tests check.
+    """
+    spec = scheme.weights
+    if spec is None:
+        raise SchemeError("quant.method=awq needs quant.weights (an integer weight spec)")
+    settings = scheme.awq
+    device = torch.device(device)
+    adapter = get_adapter(model)
+    targets, _ = target_linears(model, scheme)
+    blocks = adapter.blocks(model)
+    changed = round_outside_blocks(model, adapter, scheme, targets, report)
+    n_search = len(tokens) if search_samples <= 0 else min(search_samples, len(tokens))
+    batches = make_batches(tokens[:n_search], batch_size) + make_batches(tokens[n_search:], batch_size)
+    search_batches = math.ceil(n_search / batch_size)
+    inputs = capture_block_inputs(model, adapter, batches, device)
+    hidden = inputs.hidden
+    outcome = AWQOutcome(changed, {}, {}, {})
+    progress = BlockProgress("awq", len(blocks))
+    for index, block in enumerate(blocks):
+        prefix = adapter.block_name(index)
+        block_targets = {n: m for n, m in targets.items() if n.startswith(prefix + ".")}
+        with block_on_device(block, device):
+            originals = {n: m.weight.data.clone() for n, m in block_targets.items()}
+            groups = [g for g in adapter.groups if any(f"{prefix}.{n}" in targets for n in g.linears)]
+            foldable = [g for g in adapter.foldable_groups(block) if g in groups]
+            searching = [False]
+            handles, captures = _record(block, groups, {g.prev for g in foldable}, searching)
+            try:
+                outputs = []
+                for number, (states, extra) in enumerate(zip(hidden, inputs.extras[index])):
+                    searching[0] = number < search_batches
+                    outputs.append(run_block(block, states, extra))
+            finally:
+                for handle in handles:
+                    handle.remove()
+            _process_block(block, prefix, adapter, foldable, captures, targets, spec, settings, outcome)
+            if apply_quantization:
+                _clip_and_round(block, prefix, adapter, groups, captures, block_targets, originals, scheme, settings,
+                                outcome, report)
+            hidden = outputs
+        progress.done(index)
+    return outcome
+
+
+def _process_block(block: nn.Module, prefix: str, adapter: Adapter, groups: list[LinearGroup],
+                   captures: dict[str, _GroupCapture], targets: dict[str, nn.Linear], spec: TensorQuantConfig,
+                   settings: Any, outcome: AWQOutcome) -> None:
+    """Search every group's scales on the unmodified block, then fold them all."""
+    found = []
+    for group in groups:
+        capture = captures[group.prev]
+        linears = [block.get_submodule(n) for n in group.linears]
+        x_mean = capture.abs_sum / max(capture.count, 1)
+        result = search_scales(linears, [f"{prefix}.{n}" in targets for n in group.linears],
+                               _inspector(block.get_submodule(group.inspect), capture.calls), x_mean, spec,
+                               grid=settings.grid, duo_scaling=settings.duo_scaling)
+        found.append((group, linears, result))
+        outcome.ratios[f"{prefix}.{group.prev}"] = result.ratio
+    for group, linears, result in found:
+        prev = block.get_submodule(group.prev)
+        fold_scales(prev, linears, result.scales, adapter.norm_offset)
+        outcome.changed += [f"{prefix}.{group.prev}.{p}" for p, _ in prev.named_parameters()]
+        outcome.changed += [f"{prefix}.{n}.weight" for n in group.linears]
+        scales = result.scales.detach().to("cpu")
+        for name in group.linears:
+            outcome.input_scales[f"{prefix}.{name}"] = scales
+        if isinstance(prev, nn.Linear):
+            outcome.output_scales[f"{prefix}.{group.prev}"] = scales
+        for i, x in enumerate(captures[group.prev].inputs):  # clip search sees the scaled inputs
+            captures[group.prev].inputs[i] = x / result.scales.to(x.dtype)
+
+
+def _clip_and_round(block: nn.Module, prefix: str, adapter: Adapter, groups: list[LinearGroup],
+                    captures: dict[str, _GroupCapture], block_targets: dict[str, nn.Linear],
+                    originals: dict[str, Tensor], scheme: QuantConfig, settings: Any, outcome: AWQOutcome,
+                    report: QuantReport) -> None:
+    spec = scheme.weights
+    assert spec is not None
+    clip_inputs: dict[str, Tensor] = {}
+    for group in groups:
+        rows = torch.cat([x.reshape(-1, x.shape[-1]) for x in captures[group.prev].inputs])
+        sample = rows[:: max(1, len(rows) // CLIP_TOKENS)][:CLIP_TOKENS]
+        for name in group.linears:
+            clip_inputs[f"{prefix}.{name}"] = sample
+    clip = settings.clip and spec.granularity in ("group", "channel")
+    for full, module in block_targets.items():
+        relative = full[len(prefix) + 1:]
+        if clip and full in clip_inputs and relative not in adapter.no_clip:
+            with small_ops_threads(module.weight.device):
+                bounds = search_clip(module.weight.data, clip_inputs[full], spec, grid=settings.clip_grid,
+                                     max_shrink=settings.max_shrink)
+            weight = module.weight.float()
+            module.weight.data = torch.maximum(torch.minimum(weight, bounds), -bounds).to(module.weight.dtype)
+        quantized = fake_quantize(module.weight.data, spec)
+        module.weight.data = quantized
+        # Report the effective weight in the original coordinates: diag(s_out) · Q · diag(1/s_in).
+        effective = quantized.float()
+        if full in outcome.input_scales:
+            effective = effective / outcome.input_scales[full].to(effective.device)
+        if full in outcome.output_scales:
+            effective = effective * outcome.output_scales[full].to(effective.device)[:, None]
+        report.add_layer(full, originals[full], effective, bits_for(scheme, module))
+        outcome.changed.append(f"{full}.weight")
+
+
+@register_method("awq")
+def awq(model: nn.Module, scheme: QuantConfig, context: object, report: QuantReport) -> None:
+    if context is None or not hasattr(context, "tokens"):
+        raise SchemeError("quant.method=awq needs calibration data: pass a CalibrationContext to quant.apply")
+    search_samples = getattr(scheme.awq, "search_samples", DEFAULT_SEARCH_SAMPLES)
+
+    def compute() -> list[str]:
+        outcome = quantize_awq(model, scheme, context.tokens(), context.device, report,
+                               batch_size=getattr(context, "batch_size", 8), search_samples=search_samples)
+        return sorted(set(outcome.changed))
+
+    run_cached(model, scheme, context, report, compute)

@@ -1,0 +1,233 @@
+"""GPTQ [Frantar et al. 2022]: second-order weight rounding from calibration activations.
+
+Collect, then solve. For each linear layer, :class:`HessianAccumulator` sums
+``H = (2/n) Σ x xᵀ`` over its calibration inputs (float32); :func:`gptq_quantize_weight`
+then quantizes the weight columns left to right, spreading each column's rounding error
+over the not-yet-quantized columns through the upper Cholesky factor of ``H⁻¹``, in blocks
+of ``block_size`` columns with lazy updates of the columns beyond the block (the
+reference IST-DASLab ``gptq.py`` algorithm). Group scales come from the error-updated
+weights (or, with ``act_order`` + ``static_groups``, from the original weights so that
+groups stay contiguous in storage). The grid is ``harness.quant.formats``' integer grid,
+shared with RTN and AWQ: with an identity Hessian GPTQ reproduces RTN exactly.
+
+:func:`quantize_gptq` drives a whole model: blocks in order, one on the compute device
+at a time, each fed by the outputs of the already-quantized blocks before it, and inside
+a block the adapter's groups in dependency order (q/k/v → o → gate/up → down). One
+forward pass per block serves all of them: every batch pauses before each group's first
+linear until all batches have added their inputs to its Hessian and the group is
+quantized (:func:`harness.quant.adapters.staged_forward`).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from harness.config import QuantConfig, TensorQuantConfig
+from harness.quant import formats
+from harness.quant.adapters import (BlockProgress, block_on_device, capture_block_inputs, get_adapter, make_batches,
+                                    round_outside_blocks, small_ops_threads, staged_forward)
+from harness.quant.base import QuantReport, bits_for, register_method, target_linears
+from harness.quant.calibrated_cache import run_cached
+from harness.quant.tensor import SchemeError
+
+log = logging.getLogger(__name__)
+
+MAX_DAMPING_RETRIES = 6  # ×10 each: from 1% of the mean diagonal up to 10^4 %
+
+
+class HessianAccumulator:
+    """Running ``H = (2/n) Σ x xᵀ`` over the rows of every batch of a layer's inputs."""
+
+    def __init__(self, columns: int, device: torch.device | str):
+        self.sum = torch.zeros(columns, columns, dtype=torch.float32, device=device)
+        self.count = 0
+
+    def add_batch(self, inputs: Tensor) -> None:
+        rows = inputs.reshape(-1, inputs.shape[-1]).to(device=self.sum.device, dtype=torch.float32)
+        self.sum.addmm_(rows.t(), rows)
+        self.count += rows.shape[0]
+
+    def hessian(self) -> Tensor:
+        if self.count == 0:
+            raise RuntimeError("no calibration inputs reached this layer; cannot build its Hessian")
+        return self.sum * (2.0 / self.count)
+
+
+@dataclass
+class GPTQResult:
+    quantized: Tensor  # float32, same shape as the weight
+    damp_percent: float  # the damping actually used (larger than asked when Cholesky failed)
+    dead_columns: int
+
+
+def _upper_inverse_cholesky(hessian: Tensor, damp_percent: float, name: str) -> tuple[Tensor, float]:
+    """Upper Cholesky factor of ``(H + λI)⁻¹`` with ``λ = damp · mean(diag H)``.
+
+    When a factorization fails the damping grows ×10 (from 1e-4 if it was 0) and a warning
+    says so; after :data:`MAX_DAMPING_RETRIES` failures a RuntimeError names the layer.
+    """
+    if not bool(torch.isfinite(hessian).all()):
+        raise RuntimeError(f"GPTQ: the Hessian of {name} has NaN/Inf entries (non-finite activations reach "
+                           "this layer); damping cannot fix that. Check the model in float32 on the calibration set")
+    mean_diag = torch.diagonal(hessian).mean()
+    eye = torch.eye(hessian.shape[0], dtype=hessian.dtype, device=hessian.device)
+    damp = damp_percent
+    for attempt in range(MAX_DAMPING_RETRIES + 1):
+        lower, info = torch.linalg.cholesky_ex(hessian + damp * mean_diag * eye)
+        if int(info) == 0:
+            upper, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(lower), upper=True)
+            if int(info) == 0 and bool(torch.isfinite(upper).all()):
+                return upper, damp
+        if attempt == MAX_DAMPING_RETRIES:
+            break
+        new_damp = damp * 10 if damp > 0 else 1e-4
+        log.warning("GPTQ: Cholesky factorization of the Hessian of %s failed with damp_percent=%g; retrying with "
+                    "%g (its inputs are nearly collinear; raise quant.gptq.damp_percent to avoid this)",
+                    name, damp, new_damp)
+        damp = new_damp
+    raise RuntimeError(f"GPTQ: the Hessian of {name} is not positive definite even with damp_percent={damp:g}; "
+                       "its calibration inputs are degenerate. Use more calibration samples, or keep the layer "
+                       "in high precision with quant.keep")
+
+
+def _qparams(weight: Tensor, spec: TensorQuantConfig, dim: int | None) -> tuple[Tensor, Tensor]:
+    return formats.int_qparams(weight, spec.bits, symmetric=spec.symmetric, dim=dim)
+
+
+@torch.no_grad()
+def gptq_quantize_weight(weight: Tensor, hessian: Tensor, spec: TensorQuantConfig, *, damp_percent: float = 0.01,
+                         block_size: int = 128, act_order: bool = False, static_groups: bool = True,
+                         name: str = "layer") -> GPTQResult:
+    """Quantize one ``[out, in]`` weight given the ``[in, in]`` Hessian of its inputs.
+
+    ``spec`` is an integer weight spec: ``bits``, ``symmetric`` and ``granularity`` channel,
+    group (``group_size`` along the input) or tensor. Dead inputs (``H_dd = 0``) get weight 0.
+    ``static_groups`` matters only with ``act_order``: each group of contiguous inputs then keeps
+    the grid of its original weights; without it act-order groups consecutive *permuted* columns
+    (a g_idx is then needed to store them).
+    """
+    if spec.format != "int" or spec.granularity not in ("channel", "group", "tensor"):
+        raise SchemeError(f"GPTQ solves for an integer grid per channel, group or tensor; got format={spec.format!r}, "
+                          f"granularity={spec.granularity!r}")
+    W = weight.detach().to(torch.float32).clone()
+    H = hessian.detach().to(device=W.device, dtype=torch.float32).clone()
+    rows, columns = W.shape
+    dead = torch.diagonal(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+
+    group = spec.group_size if spec.granularity == "group" else 0
+    if group and columns % group and not spec.ragged_groups:
+        raise SchemeError(f"GPTQ {name}: group_size={group} does not divide the input size {columns}; set "
+                          "ragged_groups=true for a shorter last group")
+    perm = torch.argsort(torch.diagonal(H), descending=True) if act_order else None
+    # Fixed grids: per channel / tensor from the start (as the reference does), or, with act-order,
+    # static groups from the original weights (the last one shorter when group_size does not divide
+    # the input size). Otherwise each group's grid comes from its error-updated weights.
+    static_groups = bool(group) and act_order and static_groups
+    fixed: tuple[Tensor, Tensor] | None = None
+    if not group:
+        fixed = _qparams(W, spec, dim=None if spec.granularity == "tensor" else -1)
+    elif static_groups:
+        params = [_qparams(W[:, g:g + group], spec, dim=-1) for g in range(0, columns, group)]
+        scale, zero = torch.cat([p[0] for p in params], dim=1), torch.cat([p[1] for p in params], dim=1)
+        group_of = (perm if perm is not None else torch.arange(columns, device=W.device)) // group
+        static_scale, static_zero = scale[:, group_of], zero[:, group_of]  # per (permuted) column
+    if perm is not None:
+        W, H = W[:, perm], H[perm][:, perm]
+
+    Hinv, damp_used = _upper_inverse_cholesky(H, damp_percent, name)
+    # Dynamic groups must not straddle a lazy-update boundary, so blocks are whole groups.
+    if group and not static_groups:
+        block_size = max(group, block_size // group * group)
+    Q = torch.zeros_like(W)
+    scale = zero = None
+    for start in range(0, columns, block_size):
+        end = min(start + block_size, columns)
+        W1 = W[:, start:end].clone()
+        Q1 = torch.zeros_like(W1)
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[start:end, start:end]
+        pivots = torch.diagonal(Hinv1)
+        for i in range(end - start):
+            column = start + i
+            if fixed is not None:
+                scale, zero = fixed
+            elif static_groups:
+                scale, zero = static_scale[:, column:column + 1], static_zero[:, column:column + 1]
+            elif column % group == 0:
+                scale, zero = _qparams(W1[:, i:i + group], spec, dim=-1)
+            w = W1[:, i]
+            q = formats.int_fake_quant(w.unsqueeze(1), scale, zero, spec.bits, symmetric=spec.symmetric)[:, 0]
+            Q1[:, i] = q
+            err = (w - q) / pivots[i]
+            W1[:, i:].addr_(err, Hinv1[i, i:], alpha=-1.0)
+            Err1[:, i] = err
+        Q[:, start:end] = Q1
+        W[:, end:] -= Err1 @ Hinv[start:end, end:]
+    if perm is not None:
+        Q = Q[:, torch.argsort(perm)]
+    return GPTQResult(Q, damp_used, int(dead.sum()))
+
+
+@torch.no_grad()
+def quantize_gptq(model: nn.Module, scheme: QuantConfig, tokens: Tensor, device: torch.device | str,
+                  report: QuantReport, *, batch_size: int = 8) -> list[str]:
+    """GPTQ every target linear of ``model`` in place; returns the changed parameter names.
+
+    ``tokens`` is the ``[num_samples, seq_len]`` calibration set. Target linears outside the
+    decoder blocks (an lm_head removed from ``keep``) are rounded to nearest, with a warning.
+    """
+    spec = scheme.weights
+    if spec is None:
+        raise SchemeError("quant.method=gptq needs quant.weights (an integer weight spec)")
+    settings = scheme.gptq
+    device = torch.device(device)
+    adapter = get_adapter(model)
+    targets, _ = target_linears(model, scheme)
+    blocks = adapter.blocks(model)
+    changed = round_outside_blocks(model, adapter, scheme, targets, report)
+    inputs = capture_block_inputs(model, adapter, make_batches(tokens, batch_size), device)
+    hidden = inputs.hidden
+    progress = BlockProgress("gptq", len(blocks))
+    for index, block in enumerate(blocks):
+        prefix = adapter.block_name(index)
+        with block_on_device(block, device):
+            stages = [[n for n in group.linears if f"{prefix}.{n}" in targets] for group in adapter.groups]
+            stages = [names for names in stages if names]
+            # All linears of a group read the same input: one Hessian serves them all.
+            accumulators = [HessianAccumulator(block.get_submodule(names[0]).in_features, device)
+                            for names in stages]
+
+            def quantize_stage(stage: int) -> None:
+                hessian = accumulators[stage].hessian()
+                accumulators[stage] = None  # free it
+                for name in stages[stage]:
+                    full = f"{prefix}.{name}"
+                    module = block.get_submodule(name)
+                    with small_ops_threads(device):
+                        result = gptq_quantize_weight(
+                            module.weight.data, hessian, spec, damp_percent=settings.damp_percent,
+                            block_size=settings.block_size, act_order=settings.act_order,
+                            static_groups=settings.static_groups, name=full)
+                    if result.damp_percent != settings.damp_percent:
+                        report.notes.append(f"gptq: {full} needed damp_percent={result.damp_percent:g}")
+                    report.add_layer(full, module.weight.data, result.quantized, bits_for(scheme, module))
+                    module.weight.data.copy_(result.quantized.to(module.weight.dtype))
+                    changed.append(f"{full}.weight")
+
+            hidden = staged_forward(block, hidden, inputs.extras[index], [block.get_submodule(n[0]) for n in stages],
+                                    lambda stage, x: accumulators[stage].add_batch(x), quantize_stage, device)
+        progress.done(index)
+    return changed
+
+
+@register_method("gptq")
+def gptq(model: nn.Module, scheme: QuantConfig, context: object, report: QuantReport) -> None:
+    if context is None or not hasattr(context, "tokens"):
+        raise SchemeError("quant.method=gptq needs calibration data: pass a CalibrationContext to quant.apply")
+    run_cached(model, scheme, context, report, lambda: quantize_gptq(
+        model, scheme, context.tokens(), context.device, report, batch_size=getattr(context, "batch_size", 8)))

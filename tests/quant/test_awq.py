@@ -1,0 +1,171 @@
+"""AWQ: scale formula, exact folding with rounding off, α=0 → RTN, clipping, whole-model runs."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+
+from harness.config import AWQConfig, QuantConfig, TensorQuantConfig
+from harness.quant.awq import candidate_scales, quantize_awq, search_clip, search_scales, weight_mean
+from harness.quant.base import QuantReport
+from harness.quant.rtn import quantize_weights_rtn
+from harness.quant.tensor import fake_quantize
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+ASYM = TensorQuantConfig(format="int", bits=4, symmetric=False, granularity="group", group_size=32)
+SYM = TensorQuantConfig(format="int", bits=4, symmetric=True, granularity="group", group_size=32)
+# 64 = 48 + 16 and 128 = 48 + 48 + 32: shorter last groups (as SmolLM2's 576 inputs with group 128).
+RAGGED = TensorQuantConfig(format="int", bits=4, symmetric=False, granularity="group", group_size=48,
+                           ragged_groups=True)
+
+
+def tiny_llama(kv_heads: int = 4, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=128)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # outlier channels, as real models have, so that scales matter
+        for layer in model.model.layers:
+            layer.input_layernorm.weight[:4] = 8.0
+            layer.post_attention_layernorm.weight[4:8] = 6.0
+    return model
+
+
+def tiny_gemma(seed: int = 0) -> Gemma3ForCausalLM:
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=4, head_dim=16, sliding_window=8,
+                              layer_types=["sliding_attention", "full_attention"], max_position_embeddings=128)
+    model = Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, 0.5)
+    return model
+
+
+def _tokens(n: int = 12, length: int = 24, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 128, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _scheme(spec: TensorQuantConfig = ASYM, **awq_settings) -> QuantConfig:
+    return QuantConfig(name="awq_test", method="awq", weights=spec, awq=AWQConfig(**awq_settings))
+
+
+def test_candidate_scales_by_hand() -> None:
+    """mean|x| = [1, 4, 16], α = 1/2 → [1, 2, 4], divided by sqrt(4 · 1) = 2."""
+    torch.testing.assert_close(candidate_scales(torch.tensor([1.0, 4.0, 16.0]), 0.5), torch.tensor([0.5, 1.0, 2.0]))
+    torch.testing.assert_close(candidate_scales(torch.tensor([0.0, 3.0]), 0.0), torch.tensor([1.0, 1.0]))
+
+
+def test_weight_mean_by_hand() -> None:
+    """Rows normalised per group of 2 by their max: [0.5, 1] and [1, 0] → column means [0.75, 0.5]."""
+    spec = TensorQuantConfig(format="int", bits=4, granularity="group", group_size=2)
+    got = weight_mean([torch.tensor([[1.0, -2.0]]), torch.tensor([[4.0, 0.0]])], spec)
+    torch.testing.assert_close(got, torch.tensor([0.75, 0.5]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family,kv_heads", [("llama", 4), ("llama", 2), ("gemma3", 4)])
+@pytest.mark.parametrize("duo_scaling", [False, True])
+@torch.no_grad()
+def test_folding_is_an_exact_equivalence_with_rounding_off(family: str, kv_heads: int, duo_scaling: bool) -> None:
+    model = tiny_llama(kv_heads) if family == "llama" else tiny_gemma()
+    tokens = _tokens()
+    before = model(tokens).logits
+    outcome = quantize_awq(model, _scheme(duo_scaling=duo_scaling), tokens, "cpu", QuantReport("a", "awq"),
+                           batch_size=4, search_samples=4, apply_quantization=False)
+    moved = max(float((s - 1).abs().max()) for s in outcome.input_scales.values())
+    assert moved > 0.05, "the searched scales are trivial: the test would not exercise folding"
+    torch.testing.assert_close(model(tokens).logits, before, rtol=1e-4, atol=1e-4)
+    folded_into_v = any(name.endswith("v_proj") for name in outcome.output_scales)
+    assert folded_into_v == (kv_heads == 4)  # v→o only without grouped-query attention
+
+
+@pytest.mark.parametrize("spec", [ASYM, SYM, RAGGED], ids=["asym", "sym", "ragged"])
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@torch.no_grad()
+def test_single_alpha_zero_and_no_clip_equals_rtn(spec: TensorQuantConfig, family: str) -> None:
+    build = tiny_llama if family == "llama" else tiny_gemma
+    awq_model, rtn_model = build(), build()
+    scheme = _scheme(spec, grid=1, clip=False)
+    outcome = quantize_awq(awq_model, scheme, _tokens(), "cpu", QuantReport("a", "awq"), batch_size=4)
+    assert set(outcome.ratios.values()) == {0.0}
+    quantize_weights_rtn(rtn_model, QuantConfig(name="rtn", method="rtn", weights=spec), QuantReport("r", "rtn"))
+    for (name, a), (_, b) in zip(awq_model.named_parameters(), rtn_model.named_parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+@torch.no_grad()
+def test_search_prefers_activation_aware_scales_on_outlier_inputs() -> None:
+    """A few input channels 30× larger than the rest: protecting them beats RTN clearly."""
+    g = torch.Generator().manual_seed(0)
+    linear = nn.Linear(64, 48, bias=False)
+    linear.weight.data = torch.randn(48, 64, generator=g)
+    original = linear.weight.detach().clone()
+    x = torch.randn(512, 64, generator=g)
+    x[:, :3] *= 30.0
+    result = search_scales([linear], [True], lambda: [linear(x)], x.abs().mean(0), SYM, grid=20, duo_scaling=False)
+    assert result.ratio > 0
+    assert result.losses[int(result.ratio * 20)] < 0.7 * result.losses[0]
+    assert torch.equal(linear.weight.data, original)  # the search leaves the weights as it found them
+
+
+@torch.no_grad()
+def test_clip_search_shrinks_an_outlier_weight_nobody_reads() -> None:
+    """A weight outlier on an input that is always 0 only costs resolution: clipping it must win."""
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(8, 32, generator=g)
+    weight[:, 0] = 20.0
+    inputs = torch.randn(256, 32, generator=g)
+    inputs[:, 0] = 0.0
+    bounds = search_clip(weight, inputs, SYM, grid=20, max_shrink=0.5)
+    assert bounds.shape == weight.shape
+    assert torch.all(bounds < 20.0 * 0.75)
+    unclipped = search_clip(weight, inputs, SYM, grid=20, max_shrink=0.0)
+    torch.testing.assert_close(unclipped, weight.abs().amax(dim=1, keepdim=True).expand_as(weight))
+    ragged = search_clip(weight, inputs, RAGGED, grid=20, max_shrink=0.0)  # 32 columns: one short group
+    torch.testing.assert_close(ragged, unclipped)
+    wide = torch.cat([weight, weight[:, :16]], dim=1)  # 48 columns = one full group of 48
+    two = search_clip(torch.cat([wide, weight[:, :16]], dim=1), torch.randn(64, 64, generator=g), RAGGED, grid=20,
+                      max_shrink=0.0)
+    torch.testing.assert_close(two[:, :48], wide.abs().amax(dim=1, keepdim=True).expand(-1, 48))
+    torch.testing.assert_close(two[:, 48:], weight[:, :16].abs().amax(dim=1, keepdim=True).expand(-1, 16))
+
+
+@torch.no_grad()
+def test_ragged_groups_with_clipping_stay_on_the_grid() -> None:
+    model = tiny_llama()
+    quantize_awq(model, _scheme(RAGGED), _tokens(), "cpu", QuantReport("a", "awq"), batch_size=4, search_samples=4)
+    down = model.model.layers[0].mlp.down_proj.weight  # 128 inputs: groups 48, 48, 32
+    for start, end in ((0, 48), (48, 96), (96, 128)):
+        assert max(len(torch.unique(row[start:end])) for row in down) <= 16
+
+
+@torch.no_grad()
+def test_awq_model_beats_rtn_on_outlier_model_and_reports_effective_weights() -> None:
+    reference = tiny_llama()
+    awq_model, rtn_model = copy.deepcopy(reference), copy.deepcopy(reference)
+    report = QuantReport("awq", "awq")
+    quantize_awq(awq_model, _scheme(), _tokens(16), "cpu", report, batch_size=4, search_samples=8)
+    quantize_weights_rtn(rtn_model, QuantConfig(name="rtn", method="rtn", weights=ASYM), QuantReport("r", "rtn"))
+    held_out = _tokens(8, seed=3)
+    logits = reference(held_out).logits
+    awq_error = float((awq_model(held_out).logits - logits).pow(2).mean())
+    rtn_error = float((rtn_model(held_out).logits - logits).pow(2).mean())
+    assert awq_error < rtn_error
+    assert len(report.layers) == 14
+    # The report compares the original weight with the effective one (scales undone): close, not scaled.
+    assert all(5.0 < layer.sqnr_db < 40.0 for layer in report.layers)
+    q_proj = awq_model.model.layers[0].self_attn.q_proj.weight
+    assert not torch.equal(q_proj, fake_quantize(reference.model.layers[0].self_attn.q_proj.weight, ASYM))

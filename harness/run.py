@@ -242,11 +242,13 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
                                pd.concat(quant_records, ignore_index=True), pd.concat(tokens, ignore_index=True),
                                cfg.compare, list(cfg.eval.position_buckets),
                                lambda text: loaded.tokenizer(text, add_special_tokens=False)["input_ids"])
+    from harness.report_quant import decode_floor_metrics
+    quant_summary = {**quant_report.summary(), **decode_floor_metrics(decode_floor(quant_report, cfg))}
     result = {
         "run_key": key, "run_name": run_name(cfg), "model": cfg.model.name, "scheme": cfg.quant.name,
         "method": cfg.quant.method, "slices": list(cfg.slices), "metrics": comparison.metrics(),
         "timings": {**timings.stages, **{f"model_{k}": v for k, v in loaded.timings.items()}},
-        "quant": quant_report.summary(), "reference_cached": {n: r.cached for n, r in references.items()},
+        "quant": quant_summary, "reference_cached": {n: r.cached for n, r in references.items()},
         "lm_eval_aggregates": {"reference": {k: v for r in references.values() for k, v in r.aggregates.items()},
                                "quantized": aggregates},
         "machine": _machine(), "tags": dict(cfg.tracking.tags), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -283,8 +285,15 @@ def write_results(directory: Path, cfg: RunConfig, comparison: summary.Compariso
     _write_parquet(comparison.token_stats, directory / "token_stats.parquet")
     _write_parquet(comparison.generation, directory / "generation.parquet")
     _write_parquet(pd.DataFrame(quant_report.to_records()), directory / "quant_layers.parquet")
+    decode_floor(quant_report, cfg).to_csv(directory / "decode_floor.csv", index=False)
     atomic_write_text(directory / "report.md", report.markdown(comparison, result))
     atomic_write_json(directory / "summary.json", result)
+
+
+def decode_floor(quant_report: quant.QuantReport, cfg: RunConfig) -> pd.DataFrame:
+    """Batch-1 decode floor (weight bytes / bandwidth) of this model and of 8B/70B at its bits/weight."""
+    from harness.report_quant import DEFAULT_GPUS, GPU_BANDWIDTH, decode_floor_table
+    return decode_floor_table(quant_report, {g: GPU_BANDWIDTH[g] for g in DEFAULT_GPUS}, model_name=cfg.model.name)
 
 
 def _write_parquet(frame: pd.DataFrame, path: Path) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 from torch import nn
 
 from harness.config import QuantConfig
-from harness.quant import rtn  # noqa: F401  (registers "rtn")
+from harness.quant import awq, gptq, rtn, smoothquant  # noqa: F401  (register their methods)
 from harness.quant.base import (QuantReport, available_methods, get_method, register_method, target_linears,
                                 validate_for_model, validate_scheme, with_model_defaults)
 from harness.quant.linear import calibrate_static_scales, install_activation_quant

@@ -67,16 +67,23 @@ def input_multiple(spec: TensorQuantConfig) -> int:
 
 
 def _ragged(x: Tensor, spec: TensorQuantConfig) -> bool:
-    return (spec.format == "int" and spec.granularity == "group" and bool(spec.ragged_groups)
-            and x.shape[-1] % spec.group_size != 0)
+    return ((spec.format == "int" or spec.format in FP8_FORMATS) and spec.granularity == "group"
+            and bool(spec.ragged_groups) and x.shape[-1] % spec.group_size != 0)
 
 
 def _fake_quantize_ragged(x: Tensor, spec: TensorQuantConfig) -> Tensor:
     """Groups of group_size along the last dim, the last group shorter (its own scale)."""
     full = x.shape[-1] - x.shape[-1] % spec.group_size
-    head = formats.int_quantize(x[..., :full], spec.bits, symmetric=spec.symmetric, granularity="group",
-                                group_size=spec.group_size) if full else x[..., :0]
-    tail = formats.int_quantize(x[..., full:], spec.bits, symmetric=spec.symmetric, granularity="channel")
+    if spec.format == "int":
+        def quantize(part: Tensor, granularity: str) -> Tensor:
+            return formats.int_quantize(part, spec.bits, symmetric=spec.symmetric, granularity=granularity,
+                                        group_size=spec.group_size if granularity == "group" else None)
+    else:
+        def quantize(part: Tensor, granularity: str) -> Tensor:
+            return formats.fp8_quantize(part, FP8_FORMATS[spec.format], granularity=granularity,
+                                        group_size=spec.group_size)
+    head = quantize(x[..., :full], "group") if full else x[..., :0]
+    tail = quantize(x[..., full:], "channel" if spec.format == "int" else "token")
     return torch.cat([head, tail], dim=-1)
 
 
@@ -84,6 +91,8 @@ def fake_quantize(x: Tensor, spec: TensorQuantConfig, *, scale: Tensor | None = 
     """Quantize then dequantize ``x`` as ``spec`` says (same shape and dtype)."""
     if _ragged(x, spec):
         return _fake_quantize_ragged(x, spec)
+    if spec.format == "int" and scale is not None:  # static (calibrated) symmetric scale
+        return formats.int_fake_quant(x, scale, torch.zeros_like(scale), spec.bits, symmetric=True)
     if spec.format == "int":
         granularity = "token" if spec.granularity == "head" else spec.granularity
         return formats.int_quantize(x, spec.bits, symmetric=spec.symmetric, granularity=granularity,

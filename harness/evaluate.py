@@ -8,9 +8,12 @@ the model's response, so two models' records join on the item id.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import sqlite3
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -57,9 +60,41 @@ def _metric(sample: dict, metric_names: list[str]) -> float:
     raise KeyError(f"no metric among {metric_names} in lm-eval sample keys {sorted(sample)}")
 
 
-def evaluate_slice(lm: Any, slice_: Slice, settings: EvalSettings) -> tuple[pd.DataFrame, dict[str, float]]:
-    """Evaluate one slice; returns (per-item records, lm-eval's own aggregate per task)."""
+def checkpoint_files(prefix: str | Path) -> list[Path]:
+    """The SQLite files of lm-eval's request cache at ``prefix`` (one per rank: ``<prefix>_rank<N>.db``)."""
+    prefix = Path(prefix)
+    return sorted(prefix.parent.glob(f"{prefix.name}_rank*.db"))
+
+
+def checkpoint_rows(prefix: str | Path) -> int:
+    """How many requests the checkpoint at ``prefix`` holds (0 when there is none)."""
+    total = 0
+    for path in checkpoint_files(prefix):
+        with contextlib.closing(sqlite3.connect(path)) as db:  # read-write: rolls back a killed writer's journal
+            tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+            if "unnamed" in tables:  # SqliteDict's default table
+                total += db.execute("SELECT COUNT(*) FROM unnamed").fetchone()[0]
+    return total
+
+
+def drop_checkpoint(prefix: str | Path) -> None:
+    """Delete the checkpoint at ``prefix`` once the results it protected are safely written."""
+    for path in checkpoint_files(prefix):
+        path.unlink(missing_ok=True)
+
+
+def evaluate_slice(lm: Any, slice_: Slice, settings: EvalSettings,
+                   checkpoint: str | Path | None = None) -> tuple[pd.DataFrame, dict[str, float]]:
+    """Evaluate one slice; returns (per-item records, lm-eval's own aggregate per task).
+
+    ``checkpoint`` is the path prefix of lm-eval's per-request cache (its ``CachingLM``): each
+    request's result is written to SQLite as soon as it is computed, so a job killed mid-way and
+    started again with the same prefix recomputes only the requests that were not stored. Its
+    keys are hashes of the requests alone, not of the model: the prefix must be unique per
+    (model, scheme, settings, slice), e.g. under the run's results directory.
+    """
     from lm_eval import simple_evaluate
+    from lm_eval.api.model import CacheHook
     from lm_eval.tasks import TaskManager
 
     registry = slice_.directory is None
@@ -71,7 +106,8 @@ def evaluate_slice(lm: Any, slice_: Slice, settings: EvalSettings) -> tuple[pd.D
         num_fewshot=slice_.config.num_fewshot, limit=slice_.config.limit,
         apply_chat_template=settings.chat_template, log_samples=True, bootstrap_iters=0,
         random_seed=settings.seed, numpy_random_seed=settings.seed, torch_random_seed=settings.seed,
-        fewshot_random_seed=settings.seed)
+        fewshot_random_seed=settings.seed, use_cache=None if checkpoint is None else str(checkpoint))
+    lm.set_cache_hook(CacheHook(None))  # a later call on this lm must not write into this checkpoint
     frames = []
     aggregates: dict[str, float] = {}
     for task, samples in results["samples"].items():

@@ -7,13 +7,14 @@ idempotent: a finished MLflow run tagged with the same run key is reused, never 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Mapping
 
 log = logging.getLogger(__name__)
 
@@ -66,17 +67,49 @@ def flatten_config(config: dict) -> dict[str, str]:
     return {k[:250]: v[:6000] for k, v in out.items()}
 
 
-def find_finished_run(client: Any, experiment_id: str, run_key: str) -> str | None:
+def find_finished_run(client: Any, experiment_id: str, run_key: str, sweep_id: str | None = None) -> str | None:
+    """A finished run of this config; with ``sweep_id``, only one logged for that sweep."""
     runs = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'",
-                              max_results=10)
+                              max_results=100)
     for run in runs:
-        if run.info.status == "FINISHED":
+        if run.info.status == "FINISHED" and (sweep_id is None or run.data.tags.get(SWEEP_TAG) == sweep_id):
             return run.info.run_id
     return None
 
 
-def log_results(result_dir: str | os.PathLike, *, uri: str, experiment: str) -> str:
-    """Log one results directory to MLflow; returns the run id (existing or new)."""
+@contextlib.contextmanager
+def store_lock(uri: str) -> Iterator[None]:
+    """One writer at a time on an SQLite store shared by a sweep's parallel jobs.
+
+    MLflow creates an SQLite store's tables on first use, and two jobs doing it at once
+    fail (an alembic migration race); a tracking server serialises this itself.
+    """
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    from filelock import FileLock
+
+    path = Path(uri[len("sqlite:///"):]).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{path}.lock"):
+        yield
+
+
+def log_results(result_dir: str | os.PathLike, *, uri: str, experiment: str,
+                tags: Mapping[str, str] | None = None) -> str:
+    """Log one results directory to MLflow (see :func:`_log_results`); returns the run id."""
+    with store_lock(uri):
+        return _log_results(result_dir, uri=uri, experiment=experiment, tags=tags)
+
+
+def _log_results(result_dir: str | os.PathLike, *, uri: str, experiment: str,
+                 tags: Mapping[str, str] | None = None) -> str:
+    """Log one results directory to MLflow; returns the run id (existing or new).
+
+    ``tags`` override the tags saved with the results: a later sweep that reuses a finished
+    config passes its own ``harness.sweep_id`` and gets a run in its sweep (results logged
+    from the same directory, not recomputed). Within one sweep, a config is logged once.
+    """
     import mlflow
     from mlflow.tracking import MlflowClient
 
@@ -87,13 +120,14 @@ def log_results(result_dir: str | os.PathLike, *, uri: str, experiment: str) -> 
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name(experiment)
     experiment_id = exp.experiment_id if exp else client.create_experiment(experiment)
-    existing = find_finished_run(client, experiment_id, summary["run_key"])
+    tags = {RUN_KEY_TAG: summary["run_key"], "model": summary["model"], "scheme": summary["scheme"],
+            "slices": ",".join(summary["slices"]), "method": summary.get("method", ""),
+            **{k: str(v) for k, v in summary.get("tags", {}).items()},
+            **{k: str(v) for k, v in (tags or {}).items()}}
+    existing = find_finished_run(client, experiment_id, summary["run_key"], tags.get(SWEEP_TAG))
     if existing:
         log.info("MLflow already has finished run %s for this config; not logging twice", existing)
         return existing
-    tags = {RUN_KEY_TAG: summary["run_key"], "model": summary["model"], "scheme": summary["scheme"],
-            "slices": ",".join(summary["slices"]), "method": summary.get("method", ""),
-            **{k: str(v) for k, v in summary.get("tags", {}).items()}}
     with mlflow.start_run(experiment_id=experiment_id, run_name=summary["run_name"], tags=tags) as run:
         params = flatten_config(config)
         items = list(params.items())

@@ -1,0 +1,342 @@
+"""``python -m harness.plan [-m] <overrides ...> [--tokens-per-s N]`` — size a sweep before running it.
+
+Takes the overrides of a ``python -m harness -m ...`` command, expands the sweep exactly as
+Hydra's basic sweeper does, and prints one row per job plus one per reference (each model's
+unquantized reference is computed once per sweep, inside the first job that needs it): the
+tokens each will run through the model and an estimated time. Nothing is evaluated.
+
+Tokens are counted from lm-eval's own requests (the slices' items, prompts, chat template and
+few-shot contexts, built as ``simple_evaluate`` builds them) with the model's tokenizer:
+``scored`` is context + continuation of every log-likelihood request, ``prompt`` the prompts of
+generation requests, ``generated`` their ``max_gen_toks`` (an upper bound: generation stops at
+a stop sequence), ``divergence`` the gold texts scored for KL/PPL, ``calibration`` the
+calibration set of GPTQ/AWQ/SmoothQuant schemes. Time = load + (scored + prompt + divergence
++ calibration) / prefill rate + generated / decode rate, with rates measured by a short forward
+and a short generation of the configured model on this machine (``--tokens-per-s`` and
+``--decode-tokens-per-s`` give a GPU's rates instead, and skip loading the model). The
+estimate is linear in tokens: attention makes very long contexts slower than that.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from omegaconf import OmegaConf
+
+from harness import divergence, models, quant
+from harness.cache import Cache, stable_hash
+from harness.config import RunConfig, compose, load_model_config
+from harness.run import (divergence_texts, eval_settings, max_divergence_tokens, reference_key, run_key,
+                         slice_identity)
+from harness.slices import Slice, resolve
+
+DEFAULT_MAX_GEN_TOKS = 256  # lm-eval HFLM's default when a task does not set max_gen_toks
+
+
+@dataclass
+class SliceTokens:
+    slice: str
+    requests: int = 0
+    scored: int = 0  # log-likelihood requests: context + continuation tokens
+    prompt: int = 0  # generation requests: prompt tokens
+    generated: int = 0  # generation requests: max_gen_toks each (upper bound)
+    divergence: int = 0  # gold texts scored for KL / PPL
+
+    @property
+    def forward(self) -> int:
+        """Tokens processed in parallel (prefill-like): everything but generated tokens."""
+        return self.scored + self.prompt + self.divergence
+
+
+@dataclass
+class Throughput:
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    load_s: float
+    source: str  # how the rates were obtained
+
+    def seconds(self, forward_tokens: int, generated_tokens: int) -> float:
+        return forward_tokens / self.prefill_tokens_per_s + generated_tokens / self.decode_tokens_per_s
+
+
+@dataclass
+class ReferencePlan:
+    model: str
+    slices: list[SliceTokens]
+    status: str  # "to compute" | "cached" | "not checked"
+    estimated_s: float
+
+
+@dataclass
+class JobPlan:
+    number: int
+    overrides: list[str]
+    model: str
+    scheme: str
+    method: str
+    slices: list[SliceTokens]
+    calibration: int
+    status: str  # "to run" | "finished (reused)" | "not checked"
+    estimated_s: float
+
+
+@dataclass
+class SweepPlan:
+    jobs: list[JobPlan]
+    references: list[ReferencePlan]
+    throughput: dict[str, Throughput] = field(default_factory=dict)  # per model label (name, dtype, device)
+
+    @property
+    def total_s(self) -> float:
+        """Estimated time with the jobs run one after another (the basic launcher)."""
+        return sum(j.estimated_s for j in self.jobs) + sum(r.estimated_s for r in self.references)
+
+
+def expand_sweep(overrides: Sequence[str]) -> list[list[str]]:
+    """The jobs of ``python -m harness -m <overrides>``: Hydra's own sweep expansion."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    kept = [o for o in parsed if not o.is_hydra_override()]  # launcher settings do not change the work
+    if not kept:
+        return [[]]
+    return [job for batch in BasicSweeper.split_arguments(kept, None) for job in batch]
+
+
+def _tokenizer_for(cfg: RunConfig, cache: Cache) -> Any:
+    if cfg.model.source == "tiny_random":
+        return models.load_tokenizer(load_model_config(cfg.model.tiny.tokenizer), cache)
+    return models.load_tokenizer(cfg.model, cache)
+
+
+def _chat_template(tokenizer: Any):
+    """What HFLM.apply_chat_template does, for building the requests without a model."""
+    def apply(chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return tokenizer.apply_chat_template(chat_history, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=not add_generation_prompt)
+    return apply
+
+
+def count_slice_tokens(slice_: Slice, cfg: RunConfig, tokenizer: Any) -> SliceTokens:
+    """Tokens one model runs through for ``slice_`` (lm-eval requests + divergence texts)."""
+    from lm_eval.tasks import TaskManager
+
+    tokenizer_path = getattr(tokenizer, "name_or_path", None)
+    settings = eval_settings(cfg, tokenizer_path if tokenizer_path and Path(tokenizer_path).exists() else None)
+    registry = slice_.directory is None
+    metadata = slice_.metadata(settings.seed, settings.tokenizer_path, settings.max_length)
+    manager = TaskManager(include_path=None if registry else str(slice_.directory), include_defaults=registry,
+                          metadata=metadata)
+    counts = SliceTokens(slice_.name)
+    max_length = cfg.model.max_length
+
+    def length(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    for task in manager.load(list(slice_.config.tasks))["tasks"].values():
+        if slice_.config.num_fewshot is not None and task.get_config("num_fewshot") != 0:
+            task.set_config(key="num_fewshot", value=slice_.config.num_fewshot)
+        elif task.get_config("num_fewshot") is None:
+            task.set_config(key="num_fewshot", value=0)
+        task.set_fewshot_seed(seed=settings.seed)
+        task.build_all_requests(limit=slice_.config.limit, apply_chat_template=settings.chat_template,
+                                chat_template=_chat_template(tokenizer) if settings.chat_template else None)
+        for instance in task.instances:
+            counts.requests += 1
+            if instance.request_type == "generate_until":
+                context, gen_kwargs = instance.args[0], instance.args[1]
+                max_gen = int((gen_kwargs or {}).get("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
+                counts.prompt += min(length(context), max(max_length - max_gen, 1))
+                counts.generated += max_gen
+            elif instance.request_type == "loglikelihood":
+                counts.scored += min(length(instance.args[0]) + length(instance.args[1]), max_length)
+            else:  # loglikelihood_rolling: the whole text, in windows of max_length
+                counts.scored += length(instance.args[0])
+    limit = max_divergence_tokens(slice_, cfg)
+    for text in divergence_texts(slice_, cfg, settings):
+        counts.divergence += int(divergence.tokenize(tokenizer, text, limit).numel())
+    return counts
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def measure_throughput(loaded: models.LoadedModel, cfg: RunConfig, *, seq_len: int = 128,
+                       new_tokens: int = 8) -> tuple[float, float]:
+    """(prefill, decode) tokens/s of the loaded model at the configured batch size, on its device."""
+    model = loaded.model
+    device = next(model.parameters()).device
+    batch = min(cfg.eval.batch_size or cfg.model.batch_size, 4)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (batch, seq_len), generator=generator).to(device)
+    model(ids[:1, :8], use_cache=False)  # warm-up (kernels, allocator)
+    _sync(device)
+    start = time.perf_counter()
+    model(ids, use_cache=False)
+    _sync(device)
+    prefill = batch * seq_len / (time.perf_counter() - start)
+    prompt = ids[:, :16]
+    pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
+    start = time.perf_counter()
+    model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                   min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
+    _sync(device)
+    elapsed = time.perf_counter() - start - prompt.numel() / prefill
+    decode = batch * new_tokens / max(elapsed, 1e-6)
+    return prefill, decode
+
+
+@dataclass
+class _Model:
+    """What the plan knows about one model of the sweep."""
+
+    throughput: Throughput
+    tokenizer: Any
+    loaded: models.LoadedModel | None  # None when the rates were given (nothing loaded)
+
+
+def plan_sweep(overrides: Sequence[str], *, tokens_per_s: float | None = None,
+               decode_tokens_per_s: float | None = None) -> SweepPlan:
+    """Plan the sweep ``python -m harness -m <overrides>`` would run (see the module docstring)."""
+    jobs = expand_sweep(overrides)
+    configs = [_job_config(job) for job in jobs]  # every config error before any model is loaded
+    plan = SweepPlan(jobs=[], references=[])
+    known: dict[str, _Model] = {}
+    counts: dict[str, SliceTokens] = {}
+    for number, (job, cfg) in enumerate(zip(jobs, configs)):
+        label = f"{cfg.model.name} ({cfg.model.dtype}, {cfg.model.device})"
+        if label not in known:
+            known[label] = _prepare_model(cfg, tokens_per_s, decode_tokens_per_s)
+            plan.throughput[label] = known[label].throughput
+        model = known[label]
+        counted = []
+        for slice_ in resolve(cfg.slices):
+            key = stable_hash({"model": label, "slice": slice_identity(slice_), "eval": _plain(cfg.eval)})
+            if key not in counts:  # first job of this model and slice: it also computes the reference
+                counts[key] = count_slice_tokens(slice_, cfg, model.tokenizer)
+                plan.references.append(_reference_plan(cfg, slice_, counts[key], model))
+            counted.append(counts[key])
+        plan.jobs.append(_job_plan(number, job, cfg, counted, model))
+    return plan
+
+
+def _job_config(overrides: list[str]) -> RunConfig:
+    cfg: RunConfig = OmegaConf.to_object(compose(overrides))  # type: ignore[assignment]
+    cfg.quant = quant.with_model_defaults(cfg.quant, cfg.model.ragged_groups)
+    quant.validate_scheme(cfg.quant)
+    return cfg
+
+
+def _prepare_model(cfg: RunConfig, tokens_per_s: float | None, decode_tokens_per_s: float | None) -> _Model:
+    if tokens_per_s:
+        rate = Throughput(tokens_per_s, decode_tokens_per_s or tokens_per_s, 0.0, "given (--tokens-per-s)")
+        return _Model(rate, _tokenizer_for(cfg, Cache(cfg.paths.cache_dir)), None)
+    loaded = models.load(cfg.model, cfg.paths.cache_dir)
+    prefill, decode = measure_throughput(loaded, cfg)
+    rate = Throughput(prefill, decode_tokens_per_s or decode, loaded.timings.get("load_s", 0.0),
+                      f"measured here on {cfg.model.device} ({cfg.model.dtype})")
+    return _Model(rate, loaded.tokenizer, loaded)
+
+
+def _reference_plan(cfg: RunConfig, slice_: Slice, counts: SliceTokens, model: _Model) -> ReferencePlan:
+    status = "not checked"
+    if model.loaded is not None:
+        cached = Cache(cfg.paths.cache_dir).complete("reference", reference_key(model.loaded, slice_, cfg))
+        status = "cached" if cached else "to compute"
+    seconds = 0.0 if status == "cached" else model.throughput.seconds(counts.forward, counts.generated)
+    return ReferencePlan(cfg.model.name, [counts], status, seconds)
+
+
+def _job_plan(number: int, overrides: list[str], cfg: RunConfig, counted: list[SliceTokens], model: _Model) -> JobPlan:
+    calibration = 0
+    if cfg.quant.method != "rtn":
+        calibration = cfg.quant.calibration.num_samples * cfg.quant.calibration.seq_len
+    status = "not checked"
+    if model.loaded is not None:
+        finished = run_key(cfg, model.loaded.identity) in finished_run_keys(Path(cfg.paths.results_dir))
+        status = "finished (reused)" if finished else "to run"
+    seconds = 0.0
+    if status != "finished (reused)":
+        seconds = model.throughput.load_s + model.throughput.seconds(
+            sum(c.forward for c in counted) + calibration, sum(c.generated for c in counted))
+    return JobPlan(number, list(overrides), cfg.model.name, cfg.quant.name, cfg.quant.method, counted,
+                   calibration, status, seconds)
+
+
+def finished_run_keys(results_dir: Path) -> set[str]:
+    """Run keys of the finished results under ``results_dir`` (those a job would reuse)."""
+    keys = set()
+    for path in results_dir.glob("*/summary.json") if results_dir.is_dir() else []:
+        try:
+            keys.add(json.loads(path.read_text())["run_key"])
+        except (ValueError, KeyError):
+            continue
+    return keys
+
+
+def _plain(obj: Any) -> Any:
+    return OmegaConf.to_container(OmegaConf.structured(obj), resolve=True)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def format_plan(plan: SweepPlan) -> str:
+    """The plan as the table the command prints."""
+    import pandas as pd
+
+    def row(job: str, model: str, scheme: str, slices: list[SliceTokens], status: str, calibration: int,
+            seconds: float) -> dict[str, Any]:
+        totals = {name: sum(getattr(s, name) for s in slices)
+                  for name in ("requests", "scored", "prompt", "generated", "divergence")}
+        return {"job": job, "model": model, "scheme": scheme, "slices": ",".join(s.slice for s in slices),
+                "status": status, **totals, "calibration": calibration, "estimate": _duration(seconds)}
+
+    rows = [row("ref", r.model, "(reference)", r.slices, r.status, 0, r.estimated_s) for r in plan.references]
+    rows += [row(str(j.number), j.model, j.scheme, j.slices, j.status, j.calibration, j.estimated_s) for j in plan.jobs]
+    lines = [f"Sweep plan: {len(plan.jobs)} job(s), {len(plan.references)} reference(s) (each computed once)"]
+    for model_label, rate in plan.throughput.items():
+        lines.append(f"  {model_label}: {rate.prefill_tokens_per_s:,.0f} tokens/s forward, "
+                     f"{rate.decode_tokens_per_s:,.0f} tokens/s generating; load {rate.load_s:.1f} s — {rate.source}")
+    lines.append(pd.DataFrame(rows).to_string(index=False))
+    longest = max([j.estimated_s for j in plan.jobs] or [0.0]) + sum(r.estimated_s for r in plan.references)
+    lines.append(f"Estimated: {_duration(plan.total_s)} one job after another; at least {_duration(longest)} with all "
+                 "jobs in parallel (the references run inside the first job, the others wait for them). "
+                 "Generated tokens are upper bounds.")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m harness.plan",
+                                     description="Dry run of `python -m harness -m <overrides>`: jobs, tokens, time.")
+    parser.add_argument("-m", "--multirun", action="store_true",
+                        help="accepted for symmetry with python -m harness; sweeps are always expanded")
+    parser.add_argument("--tokens-per-s", type=float,
+                        help="forward tokens/s of the target machine (skips loading and measuring the model)")
+    parser.add_argument("--decode-tokens-per-s", type=float,
+                        help="generated tokens/s (default: --tokens-per-s when given, else measured)")
+    parser.add_argument("overrides", nargs="*", help="the Hydra overrides of the sweep, e.g. quant=int8,int4_g128")
+    args = parser.parse_args(argv)
+    plan = plan_sweep(args.overrides, tokens_per_s=args.tokens_per_s, decode_tokens_per_s=args.decode_tokens_per_s)
+    print(format_plan(plan))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

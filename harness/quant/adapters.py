@@ -259,7 +259,9 @@ def staged_forward(block: nn.Module, hidden: list[Tensor], extras: list[Extra], 
     ``stops[k]``, passes that module's input to ``on_input(k, x)`` and waits. Once every batch
     waits there, ``on_stage(k)`` runs (GPTQ quantizes stage k's linears) and the batches resume
     with the changed weights. So every batch's forward is computed exactly once, however many
-    stages there are, at the cost of holding every batch's intermediate activations at a stop.
+    stages there are, at the cost of holding every batch's intermediate activations at a stop
+    (SmolLM2, 128 × 512 tokens on CPU: ~2.3 GB, plus ~1.6 GB that glibc's per-thread malloc
+    arenas retain unless ``MALLOC_ARENA_MAX=2``; on a GPU the caching allocator is shared).
     Returns the block outputs per batch.
     """
     handles = []

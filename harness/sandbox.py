@@ -367,6 +367,9 @@ def _child_main(config: dict[str, Any]) -> None:
     """Enter namespaces, set limits, drop privileges and exec the program; exit 125 with a marker on failure."""
     try:
         os.umask(0o022)
+        # The base interpreter, resolved before the mounts: a venv's python may live under /tmp,
+        # which the mount namespace replaces by the sandbox dir (the program needs the stdlib only).
+        interpreter = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
         home, network_isolated = _enter_namespaces(config)
         _apply_limits(config)
         if config["uid"] is not None:
@@ -377,14 +380,14 @@ def _child_main(config: dict[str, Any]) -> None:
         if libc is not None:
             libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
             libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if not os.access(sys.executable, os.X_OK):
-            raise PermissionError(f"the sandbox user cannot execute {sys.executable}; install Python where "
+        if not os.access(interpreter, os.X_OK):
+            raise PermissionError(f"the sandbox user cannot execute {interpreter}; install Python where "
                                   "every user can read it, or allow mount namespaces")
-        argv = [sys.executable, "-I"]
+        argv = [interpreter, "-I"]
         if not config["network"] and not network_isolated:
             argv += ["-c", _NETWORK_GUARD]
         env = {"PATH": _SEARCH_PATH, "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
-        os.execve(sys.executable, [*argv, _PROGRAM_NAME], env)
+        os.execve(interpreter, [*argv, _PROGRAM_NAME], env)
     except Exception as exc:  # noqa: BLE001 - anything here is a sandbox failure, reported as status "error"
         os.write(2, f"{_SETUP_MARKER} {type(exc).__name__}: {exc}\n".encode())
         os._exit(_SETUP_EXIT_CODE)

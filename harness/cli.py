@@ -1,0 +1,233 @@
+"""One command-line convention for every entry point: Hydra-style ``key=value`` overrides.
+
+Every ``python -m harness.<tool>`` takes the same kinds of argument:
+
+* ``key=value`` (dotted keys for nested fields, ``[a,b]`` for lists) setting a field of the
+  tool's own options dataclass (:attr:`Tool.options`);
+* for tools that work on a model and scheme (:attr:`Tool.run_config`), every other
+  ``key=value`` is a Hydra override of the run config, composed exactly as
+  ``python -m harness`` composes it (``model=... quant=... slices=... eval.batch_size=8``);
+* bare words (paths) collected into the field named by :attr:`Tool.positional`;
+* ``-h`` / ``--help`` prints the options with their defaults and exits 0.
+
+A typo (an unknown key, a wrong type, an unknown config-group option) fails before any work,
+with a message in one style: ``error: <what is wrong>; <what is valid>``, exit status 2.
+:func:`main` also turns the errors a user can fix (bad model source, bad scheme, unreachable
+tracking server, ...) into that one clean message instead of a traceback; real bugs keep theirs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generic, Sequence, TypeVar
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+T = TypeVar("T")
+EXIT_USAGE = 2
+_HELP = ("-h", "--help", "help")
+_GROUPS = ("model", "quant", "slices")
+
+
+class UsageError(ValueError):
+    """A command line that cannot be run; the message names the argument and what is valid."""
+
+
+@dataclass(frozen=True)
+class Tool(Generic[T]):
+    """What an entry point accepts: its own options, and whether it composes the run config."""
+
+    prog: str  # e.g. "python -m harness.gate"
+    summary: str  # one paragraph for --help
+    options: type[T] | None = None  # dataclass of the tool's own key=value options
+    run_config: bool = False  # other key=value arguments are overrides of the run config
+    positional: str | None = None  # options field (a list) that collects bare arguments
+    flags: tuple[str, ...] = ()  # bare flags the tool accepts (e.g. "-m"); returned in Parsed.flags
+
+
+@dataclass
+class Parsed(Generic[T]):
+    options: T | None
+    overrides: list[str] = field(default_factory=list)  # run-config overrides, as given
+    flags: set[str] = field(default_factory=set)
+    _run: Any = None
+
+    @property
+    def run(self):
+        """The composed, validated :class:`harness.config.RunConfig` (composed once, on first use)."""
+        if self._run is None:
+            self._run = compose_run(self.overrides)
+        return self._run
+
+
+def _field_names(schema: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(schema)}
+
+
+def group_option_problem(overrides: Sequence[str]) -> str | None:
+    """Name unknown config-group options and list the available ones (Hydra does not for lists)."""
+    from harness.config import CONF_DIR
+
+    for arg in overrides:
+        match = re.fullmatch(r"(?:\+|~)?(model|quant|slices)=(.+)", arg)
+        if not match:
+            continue
+        group, value = match.groups()
+        options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+        chosen = [v.strip() for v in value.strip("[]").split(",") if v.strip()]
+        unknown = [v for v in chosen if v not in options]
+        if unknown:
+            return f"unknown {group} option(s) {unknown}; available {group} options: {', '.join(options)}"
+    return None
+
+
+def compose_run(overrides: Sequence[str]):
+    """The run config for ``overrides`` as a typed object; bad overrides raise :class:`UsageError`."""
+    from hydra.errors import HydraException
+
+    from harness.config import compose
+
+    problem = group_option_problem(overrides)
+    if problem:
+        raise UsageError(problem)
+    try:
+        return OmegaConf.to_object(compose(list(overrides)))
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise UsageError(f"{_first_line(exc)}; see `python -m harness --cfg job` for the run config's keys") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _build_options(schema: type[T], assignments: list[str], positional: list[str], positional_field: str | None,
+                   prog: str) -> T:
+    base = OmegaConf.structured(schema)
+    try:
+        given = OmegaConf.from_dotlist(assignments)
+        if positional_field is not None and positional:
+            given = OmegaConf.merge(given, {positional_field: positional})
+        merged = OmegaConf.merge(base, given)
+        return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    except OmegaConfBaseException as exc:
+        valid = ", ".join(sorted(_field_names(schema)))
+        raise UsageError(f"{_first_line(exc)}; {prog} options: {valid}") from exc
+
+
+def parse(tool: Tool[T], argv: Sequence[str]) -> Parsed[T]:
+    """Split ``argv`` into the tool's options, run-config overrides and flags (see the module doc)."""
+    own = _field_names(tool.options) if tool.options else set()
+    assignments: list[str] = []
+    overrides: list[str] = []
+    bare: list[str] = []
+    flags: set[str] = set()
+    for arg in argv:
+        if arg in tool.flags:
+            flags.add(arg)
+            continue
+        if arg.startswith("-") and "=" not in arg:
+            raise UsageError(f"unknown flag {arg!r}; {tool.prog} takes key=value arguments"
+                             + (f" and the flags {', '.join(tool.flags)}" if tool.flags else "")
+                             + " (see --help)")
+        key, sep, _ = arg.partition("=")
+        if not sep:
+            if tool.positional is None:
+                raise UsageError(f"argument {arg!r} is not key=value; {tool.prog} takes no bare arguments (see --help)")
+            bare.append(arg)
+            continue
+        head = key.lstrip("+~").split(".")[0]
+        if head in own:
+            assignments.append(arg)
+        elif tool.run_config:
+            overrides.append(arg)
+        else:
+            valid = ", ".join(sorted(own)) or "none"
+            raise UsageError(f"unknown option {key!r}; {tool.prog} options: {valid}")
+    if tool.options is not None:
+        options = _build_options(tool.options, assignments, bare, tool.positional, tool.prog)
+    else:
+        options = None
+    parsed: Parsed[T] = Parsed(options, overrides, flags)
+    if tool.run_config:
+        problem = group_option_problem(overrides)
+        if problem:
+            raise UsageError(problem)
+    return parsed
+
+
+def _describe_type(annotation: Any) -> str:
+    text = getattr(annotation, "__name__", None) or str(annotation)
+    return text.replace("typing.", "")
+
+
+def help_text(tool: Tool) -> str:
+    """Usage, the options with their types, defaults and comments, and the run-config groups."""
+    from harness.config import CONF_DIR
+
+    usage = [tool.prog]
+    if tool.positional:
+        usage.append(f"[{tool.positional.upper()} ...]")
+    if tool.options:
+        usage.append("[option=value ...]")
+    if tool.run_config:
+        usage.append("[model=... quant=... slices=... other run overrides]")
+    lines = ["usage: " + " ".join(usage), "", tool.summary.strip(), ""]
+    if tool.options:
+        lines.append("options:")
+        defaults = OmegaConf.structured(tool.options)
+        for f in dataclasses.fields(tool.options):
+            value = defaults.get(f.name) if f.name in defaults else None
+            shown = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+            note = f.metadata.get("help", "")
+            lines.append(f"  {f.name}={shown!s}  ({_describe_type(f.type)}){'  ' + note if note else ''}")
+    if tool.flags:
+        lines.append("flags: " + " ".join(tool.flags))
+    if tool.run_config:
+        lines.append("")
+        lines.append("run config (as `python -m harness`; `python -m harness --cfg job` prints every key):")
+        for group in _GROUPS:
+            options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+            lines.append(f"  {group}=  {', '.join(options)}")
+    return "\n".join(lines)
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exception types whose message already names the problem and its fix (no traceback needed)."""
+    from harness.models import ModelLoadError
+    from harness.quant.tensor import SchemeError
+    from harness.slices import SliceError
+    from harness.tracking import TrackingError
+
+    return (UsageError, ModelLoadError, SchemeError, SliceError, TrackingError, FileNotFoundError)
+
+
+def fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def main(tool: Tool[T], body: Callable[[Parsed[T]], int | None], argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` for ``tool`` and call ``body``; user-fixable errors print one line, exit 2.
+
+    ``body`` returns the exit status (``None`` means 0). Logging is set up once here.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in _HELP for a in argv):
+        print(help_text(tool))
+        return 0
+    try:
+        parsed = parse(tool, argv)
+    except UsageError as exc:
+        return fail(str(exc))
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
+    try:
+        status = body(parsed)
+    except user_errors() as exc:
+        return fail(str(exc))
+    return 0 if status is None else int(status)

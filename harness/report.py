@@ -1,18 +1,10 @@
 """Human-readable views of one run's comparison: the terminal table and report.md."""
 from __future__ import annotations
 
-import math
-from typing import Any
-
 import pandas as pd
 
+from harness.formatting import delta_ci, flips, num, pm
 from harness.summary import Comparison
-
-
-def _fmt(value: Any, spec: str = ".3f") -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "–"
-    return format(value, spec)
 
 
 def side_by_side(comparison: Comparison) -> pd.DataFrame:
@@ -26,14 +18,14 @@ def side_by_side(comparison: Comparison) -> pd.DataFrame:
         tok_row = tok.iloc[0].to_dict() if len(tok) else {}
         rows.append({
             "slice": name, "n": int(row["n"]),
-            "acc ref": _fmt(row["acc_ref"]), "acc quant": _fmt(row["acc_quant"]),
-            "Δacc [95% CI]": f"{row['delta']:+.3f} [{row['delta_ci_low']:+.3f}, {row['delta_ci_high']:+.3f}]",
-            "flips r→w / w→r": f"{int(row['flips_right_to_wrong'])} / {int(row['flips_wrong_to_right'])}",
-            "McNemar p (adj)": f"{_fmt(row['mcnemar_p'])} ({_fmt(row['mcnemar_p_adj'])})",
+            "acc ref": num(row["acc_ref"]), "acc quant": num(row["acc_quant"]),
+            "Δacc [95% CI]": delta_ci(row["delta"], row["delta_ci_low"], row["delta_ci_high"]),
+            "flips r→w / w→r": flips(row["flips_right_to_wrong"], row["flips_wrong_to_right"]),
+            "McNemar p (adj)": f"{num(row['mcnemar_p'])} ({num(row['mcnemar_p_adj'])})",
             "verdict": row.get("verdict", ""),
-            "KL mean ± SE": f"{_fmt(tok_row.get('kl_mean'), '.4f')} ± {_fmt(tok_row.get('kl_se'), '.4f')}",
-            "top-1 agree": _fmt(tok_row.get("top1_agree")),
-            "PPL ref → quant": f"{_fmt(tok_row.get('ppl_ref'), '.2f')} → {_fmt(tok_row.get('ppl_quant'), '.2f')}",
+            "KL mean ± SE": pm(tok_row.get("kl_mean"), tok_row.get("kl_se")),
+            "top-1 agree": num(tok_row.get("top1_agree")),
+            "PPL ref → quant": f"{num(tok_row.get('ppl_ref'), '.2f')} → {num(tok_row.get('ppl_quant'), '.2f')}",
         })
     return pd.DataFrame(rows)
 
@@ -42,7 +34,7 @@ def print_comparison(comparison: Comparison, result: dict) -> None:
     table = side_by_side(comparison)
     quant = result.get("quant", {})
     print()
-    print(f"{result['model']}  ·  {result['scheme']} ({_fmt(quant.get('bits_per_weight'), '.3f')} bits/weight)  "
+    print(f"{result['model']}  ·  {result['scheme']} ({num(quant.get('bits_per_weight'), '.3f')} bits/weight)  "
           f"vs  unquantized reference")
     print(table.to_string(index=False))
     print()

@@ -16,9 +16,10 @@ import pytest
 from statsmodels.stats.contingency_tables import mcnemar
 from statsmodels.stats.multitest import multipletests
 
-from harness import plots, run as run_mod
+from harness import run as run_mod
 from harness.compare import (CompareOptions, RunData, analyse, compare_runs, load_results_dir, main, parse_cli,
                              write_report)
+from harness.compare.render import plots
 from harness.config import compose
 
 # ------------------------------------------------------------------ synthetic runs -------------
@@ -270,3 +271,69 @@ def test_results_directories_without_mlflow(tiny_runs, tmp_path):
     assert (tmp_path / "local" / "comparison.html").exists()
     with pytest.raises(FileNotFoundError, match="not a finished results directory"):
         load_results_dir(tmp_path)
+
+
+# ------------------------------------------------------------------ package layering ------------
+
+
+def _harness_imports(path: Path, module: str) -> set[str]:
+    """The harness modules ``path`` imports anywhere (module level, in functions, under TYPE_CHECKING)."""
+    import ast
+
+    root = Path(run_mod.__file__).resolve().parent.parent
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+    def is_module(name: str) -> bool:
+        base = root.joinpath(*name.split("."))
+        return base.with_suffix(".py").exists() or (base / "__init__.py").exists()
+
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if is_module(f"{base}.{alias.name}") else base)
+    return {name for name in found if name == "harness" or name.startswith("harness.")}
+
+
+def compare_import_graph() -> dict[str, set[str]]:
+    """``harness.compare.*`` module -> the harness modules it imports."""
+    package_dir = Path(run_mod.__file__).resolve().parent / "compare"
+    graph = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        parts = path.relative_to(package_dir.parent.parent).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        graph[module] = _harness_imports(path, module)
+    return graph
+
+
+def test_compare_package_imports_one_way():
+    graph = compare_import_graph()
+    assert {"harness.compare.analysis", "harness.compare.sources", "harness.compare.__main__",
+            "harness.compare.render.html_page", "harness.compare.render.plots"} <= set(graph)
+    inside = {module: {t for t in targets if t in graph} for module, targets in graph.items()}
+    # no module imports the package itself or its command line: nothing imports back up
+    for module, targets in inside.items():
+        assert not targets & {"harness.compare", "harness.compare.__main__", "harness.compare.render"}, module
+    # renderers read the analysis' data types and each other's tables, nothing above them
+    for module, targets in inside.items():
+        if module.startswith("harness.compare.render."):
+            assert all(t == "harness.compare.analysis" or t.startswith("harness.compare.render.")
+                       for t in targets), (module, targets)
+    # no cycle: a topological order exists
+    remaining = {module: set(targets) for module, targets in inside.items()}
+    while remaining:
+        leaves = [module for module, targets in remaining.items() if not targets & set(remaining)]
+        assert leaves, f"import cycle among {sorted(remaining)}"
+        for leaf in leaves:
+            del remaining[leaf]
+    # the run's report shares the comparison's formatters without importing the comparison
+    report_imports = _harness_imports(Path(run_mod.__file__).with_name("report.py"), "harness.report")
+    assert "harness.formatting" in report_imports
+    assert not any(name.startswith("harness.compare") for name in report_imports)
+    assert all("harness.formatting" in graph[m] for m in ("harness.compare.render.tables",))

@@ -1,4 +1,4 @@
-"""PNG plots of a comparison (harness.compare.ComparisonReport).
+"""PNG plots of a comparison (:class:`harness.compare.analysis.ComparisonReport`).
 
 Built with matplotlib's object API (``matplotlib.figure.Figure``), never pyplot, so no
 backend or global state is touched and the functions work in scripts, tests and notebooks
@@ -10,14 +10,12 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-if TYPE_CHECKING:
-    from harness.compare import ComparisonReport
+from harness.compare.analysis import ComparisonReport
 
 __all__ = ["accuracy_vs_bits", "flip_bars", "forest", "kl_by_position", "kl_cdf", "render_all"]
 
@@ -81,7 +79,7 @@ def _level_key(column: pd.Series) -> pd.Series:
     return column.fillna("").astype(str)
 
 
-def flip_bars(headline: pd.DataFrame, labels: list[str]) -> Figure:
+def flip_bars(headline: pd.DataFrame) -> Figure:
     """Right→wrong (left, red) and wrong→right (right, green) rates per slice and run, counts annotated."""
     rows = headline.reset_index(drop=True)
     fig = Figure(figsize=(8, max(2.5, 0.32 * len(rows) + 1.2)))
@@ -215,7 +213,7 @@ def render_all(report: ComparisonReport, out_dir: Path) -> dict[str, Path]:
         figures[f"forest_{_safe(slice_name)}"] = forest(
             sub[sub["slice"] == slice_name], labels, margin=report.options.margin,
             title=f"Δ accuracy per sub-slice of {slice_name}")
-    figures["flips"] = flip_bars(headline, labels)
+    figures["flips"] = flip_bars(headline)
     figures["kl_cdf"] = kl_cdf(report.tokens, labels)
     figures["kl_by_position"] = kl_by_position(report.token_stats, labels)
     figures["accuracy_vs_bits"] = accuracy_vs_bits(headline, report.runs)

@@ -54,7 +54,6 @@ class RunData:
         return float(value) if value is not None else math.nan
 
 
-
 def _read_table(path: Path) -> pd.DataFrame:
     return pd.read_parquet(path) if path.exists() else pd.DataFrame()
 

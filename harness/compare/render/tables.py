@@ -1,0 +1,124 @@
+"""The comparison's tables as formatted text cells, shared by the terminal, Markdown and HTML
+renderings so that all three show the same numbers in the same way (:mod:`harness.formatting`)."""
+from __future__ import annotations
+
+import pandas as pd
+
+from harness.compare.analysis import ComparisonReport
+from harness.formatting import count, delta_ci, flips, num, pm
+
+__all__ = ["caption", "detail_table", "matrix_table", "method_note", "position_table", "runs_table",
+           "sub_slice_table"]
+
+CAPTIONS = {
+    "forest": "Δ accuracy with bootstrap CI per slice; filled markers are significant after correction.",
+    "flips": "Items that flipped: right→wrong to the left, wrong→right to the right.",
+    "kl_cdf": "Distribution of per-token KL(ref‖quant).",
+    "kl_by_position": "Mean KL by token position (long context).",
+    "accuracy_vs_bits": "Accuracy of the quantized model against bits per weight.",
+}
+
+
+def _delta(row: dict) -> str:
+    return delta_ci(row["delta"], row["delta_ci_low"], row["delta_ci_high"])
+
+
+def detail_table(report: ComparisonReport) -> pd.DataFrame:
+    """Formatted headline: one row per (slice, run) with every number a reader needs."""
+    rows = []
+    for row in report.headline().to_dict("records"):
+        rows.append({
+            "slice": row["slice"], "scheme": row["label"], "n": int(row["n"]),
+            "acc ref": num(row["acc_ref"]), "acc quant": num(row["acc_quant"]),
+            "Δacc [CI]": _delta(row),
+            "flips r→w / w→r": flips(row["flips_right_to_wrong"], row["flips_wrong_to_right"]),
+            "flip rate [CI]": f"{num(row['flip_rate'])} [{num(row['flip_rate_ci_low'])}, "
+                              f"{num(row['flip_rate_ci_high'])}]",
+            "McNemar p": num(row["mcnemar_p"], ".3g"), "p adj": num(row["mcnemar_p_adj"], ".3g"),
+            "sig. (adj)": "yes" if row["significant"] else "no",
+            "verdict": row["verdict"],
+            "MDE": num(row["mde"]), "n for margin": count(row.get("n_needed")),
+            "KL mean ± SE": pm(row.get("kl_mean"), row.get("kl_se")),
+            "KL p99": num(row.get("kl_p99"), ".4f"),
+            "KL(q‖r) mean": num(row.get("kl_reverse_mean"), ".4f"),
+            "top-1 agree": pm(row.get("top1_agree"), row.get("top1_agree_se"), ".3f"),
+            "PPL ratio ± SE": pm(row.get("ppl_ratio"), row.get("ppl_ratio_se")),
+            "gen identical": num(row.get("identical_rate")),
+            "gen 1st diff": num(row.get("first_diff_mean"), ".1f"),
+        })
+    return pd.DataFrame(rows)
+
+
+def matrix_table(report: ComparisonReport) -> pd.DataFrame:
+    """Schemes × slices: ``Δ [CI] · verdict`` per cell (``*`` marks significance after correction)."""
+    headline = report.headline()
+    bits = report.runs.set_index("label")["bits_per_weight"]
+    slices = list(dict.fromkeys(headline["slice"]))
+    rows = []
+    for label in report.labels:
+        part = headline[headline["label"] == label].set_index("slice")
+        row: dict[str, str] = {"scheme": label, "bits/weight": num(bits.get(label), ".3f")}
+        for slice_name in slices:
+            if slice_name not in part.index:
+                row[slice_name] = "–"
+                continue
+            cell = part.loc[slice_name].to_dict()
+            star = "*" if cell["significant"] else ""
+            row[slice_name] = f"{_delta(cell)}{star} · {cell['verdict']}"
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def sub_slice_table(report: ComparisonReport) -> pd.DataFrame:
+    """One row per (slice, sub-slice, run): counts, accuracy, Δ, flips, adjusted p, verdict."""
+    sub = report.item_stats[report.item_stats["level"] == "sub_slice"]
+    return pd.DataFrame([{
+        "slice": r["slice"], "sub-slice": r["sub_slice"], "scheme": r["label"], "n": int(r["n"]),
+        "acc ref": num(r["acc_ref"]), "acc quant": num(r["acc_quant"]), "Δacc [CI]": _delta(r),
+        "r→w / w→r": flips(r["flips_right_to_wrong"], r["flips_wrong_to_right"]),
+        "p adj": num(r["mcnemar_p_adj"], ".3g"), "verdict": r["verdict"],
+    } for r in sub.sort_values(["slice", "sub_slice"]).to_dict("records")])
+
+
+def position_table(report: ComparisonReport) -> pd.DataFrame:
+    """KL by token position bucket, for slices whose tokens span more than one bucket."""
+    tok = report.token_stats
+    if tok.empty:
+        return pd.DataFrame()
+    part = tok[(tok["bucket"] != "all") & (tok["slice"] != "overall")]
+    multi = [s for s, g in part.groupby("slice") if g["bucket"].nunique() > 1]
+    part = part[part["slice"].isin(multi)]
+    return pd.DataFrame([{
+        "slice": r["slice"], "positions": r["bucket"], "scheme": r["label"], "tokens": int(r["n_tokens"]),
+        "KL mean ± SE": pm(r["kl_mean"], r["kl_se"]), "KL p99": num(r["kl_p99"], ".4f"),
+        "top-1 agree": num(r["top1_agree"]), "PPL ratio": num(r["ppl_ratio"], ".4f"),
+    } for r in part.to_dict("records")])
+
+
+def runs_table(report: ComparisonReport) -> pd.DataFrame:
+    """The compared runs: label, model, method, bits per weight, items, slices, where they came from."""
+    runs = report.runs
+    return pd.DataFrame({"scheme": runs["label"], "model": runs["model"], "method": runs["method"],
+                         "bits/weight": runs["bits_per_weight"].map(lambda v: num(v, ".3f")),
+                         "items": runs["n_items"], "slices": runs["slices"],
+                         "run": runs["run_id"].fillna(runs["source"])})
+
+
+def method_note(report: ComparisonReport) -> str:
+    """One paragraph saying how every number was computed (interval, test, correction, margin)."""
+    o = report.options
+    correction = {"holm": "Holm (family-wise)", "bh": "Benjamini–Hochberg (FDR)", "none": "no"}[o.correction]
+    margin = "no margin" if o.margin is None else f"margin {100 * o.margin:g} pt"
+    return (f"Paired per-item comparison of each scheme with its unquantized reference. Δ = accuracy(quant) − "
+            f"accuracy(ref) with a {100 * o.ci_level:g}% paired (cluster) bootstrap CI ({o.n_resamples} resamples, "
+            f"seed {o.seed}); McNemar exact test on discordant pairs; {correction} correction across all "
+            f"{report.n_tests()} tests of this comparison (every scheme, slice and sub-slice), alpha {o.alpha:g}; "
+            f"verdicts use TOST / non-inferiority at {margin} on unadjusted tests, '*' and 'sig. (adj)' mark "
+            f"significance after correction. MDE: minimum detectable Δ at 80% power. KL in nats on gold texts.")
+
+
+def caption(name: str) -> str:
+    """The caption of plot ``name`` (``forest_<slice>`` for the per-sub-slice forest plots)."""
+    if name.startswith("forest_"):
+        return f"Δ accuracy per sub-slice of {name[len('forest_'):]}."
+    return CAPTIONS.get(name, name)

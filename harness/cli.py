@@ -116,7 +116,9 @@ def _build_options(schema: type[T], assignments: list[str], positional: list[str
         return OmegaConf.to_object(merged)  # type: ignore[return-value]
     except OmegaConfBaseException as exc:
         valid = ", ".join(sorted(_field_names(schema)))
-        raise UsageError(f"{_first_line(exc)}; {prog} options: {valid}") from exc
+        key = getattr(exc, "full_key", None)
+        where = f"{key}: " if key else ""
+        raise UsageError(f"{where}{_first_line(exc)}; {prog} options: {valid}") from exc
 
 
 def parse(tool: Tool[T], argv: Sequence[str]) -> Parsed[T]:

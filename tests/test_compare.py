@@ -16,8 +16,8 @@ import pytest
 from statsmodels.stats.contingency_tables import mcnemar
 from statsmodels.stats.multitest import multipletests
 
-from harness import run as run_mod
-from harness.compare import (CompareOptions, RunData, analyse, compare_runs, load_results_dir, main, parse_cli,
+from harness import cli, run as run_mod
+from harness.compare import (CompareOptions, RunData, analyse, compare_runs, load_results_dir, main, parse_options,
                              write_report)
 from harness.compare.render import plots
 from harness.config import compose
@@ -161,20 +161,33 @@ def test_write_report_files_and_contents(tmp_path):
     assert pd.read_parquet(written["item_stats"]).shape == report.item_stats.shape
 
 
-def test_parse_cli():
-    options = parse_cli(["experiment=exp", "tags.scheme=int4", "tags.harness.kind=x", "sweep=abc",
-                         "runs=[0e12aa,7f3b]", "tracking.uri=sqlite:///x.db", "margin=0.01", "correction=bh",
-                         "log=false", "position_buckets=[0,512]"])
+def test_parse_options():
+    options = parse_options(["experiment=exp", "tags.scheme=int4", "tags.harness.kind=x", "sweep=abc",
+                             "runs=[0e12aa,7f3b]", "tracking.uri=sqlite:///x.db", "margin=0.01", "correction=bh",
+                             "log=false", "position_buckets=[0,512]"])
     assert options.experiment == "exp" and options.sweep == "abc"
     assert options.tags == {"scheme": "int4", "harness.kind": "x"}
     assert options.runs == ["0e12aa", "7f3b"]  # run ids stay strings (no YAML float parsing)
     assert options.tracking_uri == "sqlite:///x.db" and options.margin == 0.01 and options.correction == "bh"
     assert options.log is False and options.position_buckets == [0, 512]
-    assert parse_cli(["margin=null"]).margin is None
+    assert parse_options(["margin=null"]).margin is None
+    assert parse_options(["compare.margin=0.03", "compare.correction=none"]).margin == 0.03
+    # string values are the text typed: YAML would read these as 83, 100000.0 and True
+    typed = parse_options(["sweep=0123", "runs=[1e5,0123]", "name=yes", "tags.team=a'b"])
+    assert (typed.sweep, typed.runs, typed.name, typed.tags) == ("0123", ["1e5", "0123"], "yes", {"team": "a'b"})
     for bad, message in ((["colour=red"], "unknown option 'colour'"), (["correction=bonferroni"], "holm, bh"),
-                         (["margin=2"], "margin=2.0"), (["sweep"], "not key=value"), (["n_resamples=x"], "n_resamples")):
-        with pytest.raises(SystemExit, match=message):
-            parse_cli(bad)
+                         (["margin=2"], "margin=2.0"), (["sweep"], "not key=value"), (["n_resamples=x"], "^n_resamples")):
+        with pytest.raises(cli.UsageError, match=message):
+            parse_options(bad)
+
+
+def test_command_line_errors_are_one_line_and_help_lists_options(capsys):
+    assert main(["correction=bonferroni"]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.strip() == "error: correction='bonferroni' is unknown; use holm, bh or none"
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "usage: python -m harness.compare" in out and "margin=0.02" in out and "tracking.uri" in out
 
 
 # ------------------------------------------------------------------ real runs in MLflow --------

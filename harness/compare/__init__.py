@@ -37,7 +37,7 @@ _EXPORTS = {
     "write_report": "harness.compare.output",
     "compare_runs": "harness.compare.pipeline",
     "main": "harness.compare.__main__",
-    "parse_cli": "harness.compare.__main__",
+    "parse_options": "harness.compare.__main__",
 }
 
 __all__ = sorted(_EXPORTS)

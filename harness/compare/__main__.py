@@ -1,91 +1,107 @@
-"""Compare finished runs of the harness, schemes × slices (see :mod:`harness.compare`).
+"""``python -m harness.compare key=value ...``: compare finished runs (see :mod:`harness.compare`).
 
-``python -m harness.compare experiment=quant-harness [sweep=ID] [tags.KEY=VALUE ...]
-[runs=[ID,...]] [dirs=[results/...,...]] [tracking.uri=URI] [margin=0.02] [correction=holm|bh|none]
-[name=NAME] [out=results/compare/NAME] [log=true]``
+The arguments follow :mod:`harness.cli` (options = :class:`CompareOptions`, ``--help`` lists
+them). On top of that convention this command keeps its historical spellings:
+``tracking.uri``, ``compare.margin`` and ``compare.correction`` are aliases of
+``tracking_uri``, ``margin`` and ``correction``, ``tags.KEY=VALUE`` adds one MLflow tag (KEY
+may contain dots, e.g. ``tags.harness.kind``), and string values stay the text typed (run id
+``0123`` or sweep ``1e5`` are not read as numbers).
 """
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import sys
-from typing import Any, Sequence
+from typing import Sequence
 
+from harness import cli
 from harness.compare.options import CompareOptions
 from harness.compare.pipeline import execute
 from harness.compare.render.terminal import terminal_table
 
-__all__ = ["main", "parse_cli"]
+__all__ = ["ALIASES", "TOOL", "main", "normalise", "parse_options"]
 
-_ALIASES = {"tracking.uri": "tracking_uri", "compare.margin": "margin", "compare.correction": "correction"}
+ALIASES = {"tracking.uri": "tracking_uri", "compare.margin": "margin", "compare.correction": "correction"}
+
+TOOL = cli.Tool(
+    prog="python -m harness.compare",
+    summary="Side-by-side comparison of finished runs: schemes × slices with paired statistics corrected across "
+            "every test of the comparison. Runs come from MLflow (experiment, sweep=ID, tags.KEY=VALUE, "
+            "runs=[ID,...]) or from results directories (dirs=[...]); writes results/compare/<name>/ "
+            "(comparison.md, comparison.html, plots, parquet tables) and logs it as an MLflow run tagged "
+            "harness.kind=comparison. Aliases: tracking.uri, compare.margin, compare.correction.",
+    options=CompareOptions,
+)
+
+_KINDS = {f.name: str(f.type) for f in dataclasses.fields(CompareOptions)}
+
+
+def _quoted(text: str) -> str:
+    """``text`` as a YAML single-quoted scalar that OmegaConf keeps verbatim (no interpolation)."""
+    return "'" + text.replace("'", "''").replace("${", "\\${") + "'"
 
 
 def _split_list(value: str) -> list[str]:
     return [part.strip().strip("'\"") for part in value.strip().strip("[]").split(",") if part.strip()]
 
 
-def _convert(name: str, raw: str) -> Any:
-    kind = {f.name: str(f.type) for f in dataclasses.fields(CompareOptions)}[name]
+def _literal(key: str, raw: str) -> str:
+    kind = _KINDS.get(key, "")
     if raw.lower() in ("null", "none") and "None" in kind:
-        return None
-    try:
-        if kind.startswith("list[int]"):
-            return [int(v) for v in _split_list(raw)]
-        if kind.startswith("list"):
-            return _split_list(raw)
-        if kind == "bool":
-            if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                raise ValueError(raw)
-            return raw.lower() in ("true", "1", "yes")
-        if kind.startswith("float"):
-            return float(raw)
-        if kind == "int":
-            return int(raw)
-    except ValueError:
-        raise SystemExit(f"error: {name}={raw!r} is not a valid {kind}") from None
+        return "null"
+    if kind.startswith("str"):
+        return _quoted(raw)
+    if kind == "list[str]":
+        return "[" + ",".join(_quoted(part) for part in _split_list(raw)) + "]"
     return raw
 
 
-def parse_cli(argv: Sequence[str]) -> CompareOptions:
-    """``key=value`` arguments (``tags.KEY=VALUE`` for MLflow tags) into ``CompareOptions``."""
-    names = [f.name for f in dataclasses.fields(CompareOptions)]
-    values: dict[str, Any] = {"tags": {}}
+def normalise(argv: Sequence[str]) -> list[str]:
+    """Rewrite aliases, fold every ``tags.KEY=VALUE`` into one ``tags={...}`` and quote string values,
+    so :func:`harness.cli.parse` reads this command's historical spellings; other arguments pass as given."""
+    out: list[str] = []
+    tags: dict[str, str] = {}
     for arg in argv:
         key, sep, raw = arg.partition("=")
         if not sep:
-            raise SystemExit(f"error: argument {arg!r} is not key=value, e.g. experiment=quant-harness sweep=ID")
-        if key.startswith("tags."):
-            values["tags"][key[len("tags."):]] = raw
-            continue
-        key = _ALIASES.get(key, key)
-        if key not in names or key == "tags":
-            raise SystemExit(f"error: unknown option {key!r}; valid: {', '.join(_ALIASES)}, tags.KEY, "
-                             f"{', '.join(n for n in names if n != 'tags')}")
-        values[key] = _convert(key, raw)
-    options = CompareOptions(**values)
+            out.append(arg)
+        elif key.startswith("tags.") and len(key) > len("tags."):
+            tags[key[len("tags."):]] = raw
+        else:
+            key = ALIASES.get(key, key)
+            out.append(f"{key}={_literal(key, raw)}")
+    if tags:
+        out.append("tags={" + ", ".join(f"{_quoted(k)}: {_quoted(v)}" for k, v in tags.items()) + "}")
+    return out
+
+
+def _checked(options: CompareOptions) -> CompareOptions:
     try:
         options.check()
     except ValueError as exc:
-        raise SystemExit(f"error: {exc}") from None
+        raise cli.UsageError(str(exc)) from None
     return options
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help", "help") for a in argv):
-        print(__doc__)
-        return 0
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+def parse_options(argv: Sequence[str]) -> CompareOptions:
+    """The command line as :class:`CompareOptions`; a bad argument raises :class:`harness.cli.UsageError`."""
+    return _checked(cli.parse(TOOL, normalise(argv)).options)
+
+
+def _body(parsed: cli.Parsed[CompareOptions]) -> int:
+    options = _checked(parsed.options)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one bar per downloaded table
-    options = parse_cli(argv)
     try:
         report = execute(options, write=True)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except ValueError as exc:  # no such experiment, no matching runs, a comparison run given as a run
+        return cli.fail(str(exc))
     print(terminal_table(report))
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command; user errors print one ``error: ...`` line and return 2."""
+    return cli.main(TOOL, _body, normalise(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import pandas as pd
 
-from harness.formatting import delta_ci, flips, num, pm
+from harness.formatting import count, delta_ci, flips, num, pm
 from harness.summary import Comparison
 
 
 def side_by_side(comparison: Comparison) -> pd.DataFrame:
-    """One row per slice (and overall): accuracy of both, Δ with CI, flips, McNemar, KL, PPL."""
+    """One row per slice (and overall): items and clusters, accuracy of both, Δ with CI, flips, McNemar, KL, PPL."""
     stats = comparison.item_stats[comparison.item_stats["level"].isin(["overall", "slice"])]
     tokens = comparison.token_stats
     rows = []
@@ -17,7 +17,7 @@ def side_by_side(comparison: Comparison) -> pd.DataFrame:
         tok = tokens[(tokens["slice"] == name) & (tokens["bucket"] == "all")]
         tok_row = tok.iloc[0].to_dict() if len(tok) else {}
         rows.append({
-            "slice": name, "n": int(row["n"]),
+            "slice": name, "n": int(row["n"]), "clusters": count(row.get("n_clusters")),
             "acc ref": num(row["acc_ref"]), "acc quant": num(row["acc_quant"]),
             "Δacc [95% CI]": delta_ci(row["delta"], row["delta_ci_low"], row["delta_ci_high"]),
             "flips r→w / w→r": flips(row["flips_right_to_wrong"], row["flips_wrong_to_right"]),
@@ -43,7 +43,7 @@ def print_comparison(comparison: Comparison, result: dict) -> None:
 def markdown(comparison: Comparison, result: dict) -> str:
     timings = ", ".join(f"{k} {v:.1f}s" for k, v in result.get("timings", {}).items())
     sub = comparison.item_stats[comparison.item_stats["level"] == "sub_slice"]
-    sub_cols = [c for c in ["slice", "sub_slice", "n", "acc_ref", "acc_quant", "delta", "delta_ci_low",
+    sub_cols = [c for c in ["slice", "sub_slice", "n", "n_clusters", "acc_ref", "acc_quant", "delta", "delta_ci_low",
                             "delta_ci_high", "flips_right_to_wrong", "flips_wrong_to_right", "mcnemar_p_adj"]
                 if c in sub.columns]
     return "\n".join([

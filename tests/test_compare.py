@@ -7,6 +7,7 @@ model answers too rarely to flip anything).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import mlflow
@@ -20,6 +21,8 @@ from harness import cli, run as run_mod
 from harness.compare import (CompareOptions, RunData, analyse, compare_runs, load_results_dir, main, parse_options,
                              write_report)
 from harness.compare.render import plots
+from harness.compare.render.tables import detail_table, sub_slice_table
+from harness.compare.render.terminal import terminal_table
 from harness.config import compose
 
 # ------------------------------------------------------------------ synthetic runs -------------
@@ -159,6 +162,33 @@ def test_write_report_files_and_contents(tmp_path):
     assert page.count("data:image/png;base64,") == sum(1 for p in written.values() if p.suffix == ".png")
     assert "<script" not in page and "http://" not in page and "https://" not in page
     assert pd.read_parquet(written["item_stats"]).shape == report.item_stats.shape
+
+
+def test_cluster_counts_stand_beside_n_in_every_table(tmp_path):
+    runs = synthetic_runs()
+    for run in runs:  # the 60 math items come from 15 sources of 4; long-context items are singletons
+        math = run.items["slice"] == "math"
+        run.items.loc[math, "cluster"] = [f"source{index // 4}" for index in range(int(math.sum()))]
+    report = analyse(runs, _options(tmp_path))
+    items = runs[0].items
+    expected = {"math": 15, "long_context": 60, "overall": 75}
+    detail = detail_table(report)
+    assert list(detail.columns[2:4]) == ["n", "clusters"]
+    assert {(row["slice"], row["clusters"]) for row in detail.to_dict("records")} == \
+        {(name, str(count)) for name, count in expected.items()}
+    sub = sub_slice_table(report)
+    assert list(sub.columns[3:5]) == ["n", "clusters"]
+    by_hand = items[items["slice"] == "math"].groupby("sub_slice")["cluster"].nunique()
+    math_rows = sub[sub["slice"] == "math"]
+    assert dict(zip(math_rows["sub-slice"], math_rows["clusters"].astype(int))) == by_hand.to_dict()
+    assert (sub.loc[sub["slice"] == "long_context", "clusters"] == sub.loc[sub["slice"] == "long_context", "n"]
+            .astype(str)).all()
+    header = terminal_table(report).splitlines()[2].split()
+    assert header[header.index("n") + 1] == "clusters"
+    written = write_report(report, tmp_path / "clusters")
+    text = written["markdown"].read_text()
+    assert len(re.findall(r"\|\s*n\s*\|\s*clusters\s*\|", text)) == 2  # details and sub-slices
+    assert written["html"].read_text().count("<th>n</th><th>clusters</th>") == 2
 
 
 def test_parse_options():

@@ -210,6 +210,8 @@ def test_comparison_page_renders_in_chromium(browser, tmp_path):
     assert tables["details"]["rows"] == len(report.headline())
     assert tables["subslices"]["rows"] == int((report.item_stats["level"] == "sub_slice").sum())
     assert "positions" in tables  # the long-context rows span several position buckets
+    for css in ("details", "subslices"):  # the cluster count stands beside n
+        assert "\tn\tclusters\t" in tables[css]["text"], css
     for label in report.labels:
         assert label in tables["matrix"]["text"]
     assert "worse" in tables["details"]["text"]  # int4 on math: 9 right->wrong vs 1

@@ -24,11 +24,14 @@ def _delta(row: dict) -> str:
 
 
 def detail_table(report: ComparisonReport) -> pd.DataFrame:
-    """Formatted headline: one row per (slice, run) with every number a reader needs."""
+    """Formatted headline: one row per (slice, run) with every number a reader needs.
+
+    ``clusters`` beside ``n``: the bootstrap and the SE resample whole clusters, so with few of
+    them an interval rests on less than ``n`` suggests."""
     rows = []
     for row in report.headline().to_dict("records"):
         rows.append({
-            "slice": row["slice"], "scheme": row["label"], "n": int(row["n"]),
+            "slice": row["slice"], "scheme": row["label"], "n": int(row["n"]), "clusters": count(row.get("n_clusters")),
             "acc ref": num(row["acc_ref"]), "acc quant": num(row["acc_quant"]),
             "Δacc [CI]": _delta(row),
             "flips r→w / w→r": flips(row["flips_right_to_wrong"], row["flips_wrong_to_right"]),
@@ -70,11 +73,12 @@ def matrix_table(report: ComparisonReport) -> pd.DataFrame:
 
 
 def sub_slice_table(report: ComparisonReport) -> pd.DataFrame:
-    """One row per (slice, sub-slice, run): counts, accuracy, Δ, flips, adjusted p, verdict."""
+    """One row per (slice, sub-slice, run): items and clusters, accuracy, Δ, flips, adjusted p, verdict."""
     sub = report.item_stats[report.item_stats["level"] == "sub_slice"]
     return pd.DataFrame([{
         "slice": r["slice"], "sub-slice": r["sub_slice"], "scheme": r["label"], "n": int(r["n"]),
-        "acc ref": num(r["acc_ref"]), "acc quant": num(r["acc_quant"]), "Δacc [CI]": _delta(r),
+        "clusters": count(r.get("n_clusters")), "acc ref": num(r["acc_ref"]), "acc quant": num(r["acc_quant"]),
+        "Δacc [CI]": _delta(r),
         "r→w / w→r": flips(r["flips_right_to_wrong"], r["flips_wrong_to_right"]),
         "p adj": num(r["mcnemar_p_adj"], ".3g"), "verdict": r["verdict"],
     } for r in sub.sort_values(["slice", "sub_slice"]).to_dict("records")])

@@ -47,6 +47,18 @@ class ModelConfig:
 
 
 @dataclass
+class CandidateConfig:
+    """An externally quantized checkpoint evaluated instead of the harness's own quantization
+    (``quant=external candidate.path=...``; see harness/candidate.py for the formats)."""
+
+    path: Optional[str] = None  # hub id or local directory; None: the harness quantizes as quant= says
+    gguf_file: Optional[str] = None  # a .gguf file inside `path` (a directory or an installed package)
+    revision: Optional[str] = None  # hub revision of the candidate
+    name: Optional[str] = None  # label in run names and MLflow; default: the path's last part
+    trust_remote_code: bool = False
+
+
+@dataclass
 class TensorQuantConfig:
     """How one kind of tensor (weights, activations, keys, values) is quantized."""
 
@@ -174,6 +186,7 @@ class PathsConfig:
 class RunConfig:
     model: ModelConfig = MISSING
     quant: QuantConfig = MISSING
+    candidate: CandidateConfig = field(default_factory=CandidateConfig)
     slices: dict[str, SliceConfig] = field(default_factory=dict)
     eval: EvalConfig = field(default_factory=EvalConfig)
     compare: CompareConfig = field(default_factory=CompareConfig)

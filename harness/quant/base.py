@@ -133,8 +133,6 @@ def validate_scheme(scheme: QuantConfig) -> None:
         validate_spec(scheme.weights, "weights")
     if scheme.activations is not None:
         validate_spec(scheme.activations, "activations")
-        if not scheme.activations.dynamic and scheme.activations.format == "nvfp4":
-            raise SchemeError("quant.activations: NVFP4 activations with a static scale are not supported")
     if scheme.kv_cache is not None:
         from harness.quant.kv import validate_kv_cache
         validate_kv_cache(scheme.kv_cache)

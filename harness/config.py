@@ -50,7 +50,7 @@ class ModelConfig:
 class TensorQuantConfig:
     """How one kind of tensor (weights, activations, keys, values) is quantized."""
 
-    format: str = "int"  # int | fp8_e4m3 | fp8_e5m2 | nvfp4 | mxfp4 | mxfp8
+    format: str = "int"  # int | fp8_e4m3 | fp8_e5m2 | nvfp4 | mxfp4 | mxfp8 (table in harness.quant.tensor)
     bits: int = 8  # int only
     symmetric: bool = True  # int only; asymmetric adds a zero point per group
     granularity: str = "channel"  # tensor | channel | group | token | block | head
@@ -108,7 +108,12 @@ class CalibrationConfig:
 @dataclass
 class QuantConfig:
     name: str = MISSING  # scheme name used in run names and tags
-    method: str = "rtn"  # rtn | gptq | awq | smoothquant (registry in harness.quant)
+    method: str = "rtn"  # rtn | gptq | awq | smoothquant, or one a plugin registers (harness.quant.register_method)
+    # Modules imported before the scheme is checked; each registers methods or number formats on import.
+    plugins: list[str] = field(default_factory=list)
+    # Settings of a method registered outside harness.quant, checked against its own dataclass
+    # (the built-in methods keep theirs in quant.gptq / quant.awq / quant.smoothquant).
+    settings: dict[str, Any] = field(default_factory=dict)
     weights: Optional[TensorQuantConfig] = None  # None: weights stay in high precision
     activations: Optional[TensorQuantConfig] = None  # None: weight-only (W*A16)
     kv_cache: Optional[KVCacheQuantConfig] = None  # None: full-precision KV cache

@@ -29,12 +29,11 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from harness.config import QuantConfig, TensorQuantConfig
+from harness.config import AWQConfig, QuantConfig, TensorQuantConfig
 from harness.quant.adapters import (Adapter, BlockProgress, LinearGroup, block_on_device, capture_block_inputs,
                                     get_adapter, make_batches, round_outside_blocks, run_block,
                                     small_ops_threads)
 from harness.quant.base import QuantReport, bits_for, register_method, target_linears
-from harness.quant.calibrated_cache import run_cached
 from harness.quant.tensor import SchemeError, fake_quantize
 
 log = logging.getLogger(__name__)
@@ -276,7 +275,7 @@ def quantize_awq(model: nn.Module, scheme: QuantConfig, tokens: Tensor, device: 
                     handle.remove()
             _process_block(block, prefix, adapter, foldable, captures, targets, spec, settings, outcome)
             if apply_quantization:
-                _clip_and_round(block, prefix, adapter, groups, captures, block_targets, originals, scheme, settings,
+                _clip_and_round(prefix, adapter, groups, captures, block_targets, originals, scheme, settings,
                                 outcome, report)
             hidden = outputs
         progress.done(index)
@@ -311,7 +310,7 @@ def _process_block(block: nn.Module, prefix: str, adapter: Adapter, groups: list
             captures[group.prev].inputs[i] = x / result.scales.to(x.dtype)
 
 
-def _clip_and_round(block: nn.Module, prefix: str, adapter: Adapter, groups: list[LinearGroup],
+def _clip_and_round(prefix: str, adapter: Adapter, groups: list[LinearGroup],
                     captures: dict[str, _GroupCapture], block_targets: dict[str, nn.Linear],
                     originals: dict[str, Tensor], scheme: QuantConfig, settings: Any, outcome: AWQOutcome,
                     report: QuantReport) -> None:
@@ -344,15 +343,10 @@ def _clip_and_round(block: nn.Module, prefix: str, adapter: Adapter, groups: lis
         outcome.changed.append(f"{full}.weight")
 
 
-@register_method("awq")
-def awq(model: nn.Module, scheme: QuantConfig, context: object, report: QuantReport) -> None:
-    if context is None or not hasattr(context, "tokens"):
-        raise SchemeError("quant.method=awq needs calibration data: pass a CalibrationContext to quant.apply")
+@register_method("awq", settings=AWQConfig, section="awq", needs=("tokens",), cacheable=True,
+                 weight_formats=("int",))
+def awq(model: nn.Module, scheme: QuantConfig, context: Any, report: QuantReport) -> list[str]:
     search_samples = getattr(scheme.awq, "search_samples", DEFAULT_SEARCH_SAMPLES)
-
-    def compute() -> list[str]:
-        outcome = quantize_awq(model, scheme, context.tokens(), context.device, report,
-                               batch_size=getattr(context, "batch_size", 8), search_samples=search_samples)
-        return sorted(set(outcome.changed))
-
-    run_cached(model, scheme, context, report, compute)
+    outcome = quantize_awq(model, scheme, context.tokens(), context.device, report,
+                           batch_size=getattr(context, "batch_size", 8), search_samples=search_samples)
+    return sorted(set(outcome.changed))

@@ -84,8 +84,11 @@ class AWQConfig:
     grid: int = 20  # points of the alpha grid in [0, 1)
     duo_scaling: bool = False  # llm-compressor's mean|x|^a / mean|w|^(1-a) variant
     clip: bool = True  # search a per-group clipping ratio after scaling
-    clip_grid: int = 20
+    clip_grid: int = 20  # shrink steps of 1/clip_grid; max_shrink * clip_grid of them are tried
     max_shrink: float = 0.5
+    # Calibration sequences the alpha and clip losses are measured on (0: all); the activation
+    # statistics always use every sequence. Search time grows linearly with it (8: minutes on CPU).
+    search_samples: int = 8
 
 
 @dataclass

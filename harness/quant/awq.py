@@ -16,8 +16,11 @@ grid point α = 0 and no clipping, AWQ equals RTN).
 
 As in llm-awq, every block sees the full-precision outputs of the blocks before it (the
 transforms are equivalences), scales are searched on the unmodified block and then applied.
-The loss of the α and clip searches is measured on the first ``search_samples`` calibration
-sequences; the activation statistics use all of them.
+The loss of the α and clip searches is measured on the first ``quant.awq.search_samples``
+calibration sequences; the activation statistics use all of them. Search cost per block ≈
+Σ over foldable groups of ``grid`` × (fake-quantize the group's weights + run its inspected
+module on search_samples × seq_len tokens), plus per clipped linear ``max_shrink · clip_grid``
+rounds on 512 sampled tokens.
 """
 from __future__ import annotations
 
@@ -38,10 +41,10 @@ from harness.quant.tensor import SchemeError, fake_quantize
 
 log = logging.getLogger(__name__)
 
-# Sequences on which the α and clip losses are measured (0: all). Full-precision statistics
-# always use every sequence. 8 × 512 tokens keeps SmolLM2 on a 2-core CPU within minutes;
-# on a GPU use all (quant.awq.search_samples=0 once the config carries the field).
-DEFAULT_SEARCH_SAMPLES = 8
+# Sequences on which the α and clip losses are measured (0: all): quant.awq.search_samples. Full-precision
+# statistics always use every sequence. 8 × 512 tokens keeps SmolLM2 on a 2-core CPU within minutes;
+# on a GPU use all (quant.awq.search_samples=0).
+DEFAULT_SEARCH_SAMPLES = AWQConfig.search_samples
 CLIP_TOKENS = 512  # llm-awq's n_sample_token for the clip search
 CLIP_BATCH_ELEMENTS = 1 << 24  # rows × tokens × groups per clip-search batch (64 MiB of float32 outputs)
 
@@ -343,10 +346,20 @@ def _clip_and_round(prefix: str, adapter: Adapter, groups: list[LinearGroup],
         outcome.changed.append(f"{full}.weight")
 
 
+def _check_settings(scheme: QuantConfig) -> None:
+    settings = scheme.awq
+    for name in ("grid", "clip_grid"):
+        if getattr(settings, name) < 1:
+            raise SchemeError(f"quant.awq.{name}={getattr(settings, name)} must be at least 1 (default 20)")
+    if settings.search_samples < 0:
+        raise SchemeError(f"quant.awq.search_samples={settings.search_samples} must be >= 0 (0: every sequence)")
+    if not 0.0 <= settings.max_shrink <= 1.0:
+        raise SchemeError(f"quant.awq.max_shrink={settings.max_shrink} must lie in [0, 1] (default 0.5)")
+
+
 @register_method("awq", settings=AWQConfig, section="awq", needs=("tokens",), cacheable=True,
-                 weight_formats=("int",))
+                 weight_formats=("int",), validate=_check_settings)
 def awq(model: nn.Module, scheme: QuantConfig, context: Any, report: QuantReport) -> list[str]:
-    search_samples = getattr(scheme.awq, "search_samples", DEFAULT_SEARCH_SAMPLES)
     outcome = quantize_awq(model, scheme, context.tokens(), context.device, report,
-                           batch_size=getattr(context, "batch_size", 8), search_samples=search_samples)
+                           batch_size=getattr(context, "batch_size", 8), search_samples=scheme.awq.search_samples)
     return sorted(set(outcome.changed))

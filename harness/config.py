@@ -62,7 +62,7 @@ class CandidateConfig:
 class TensorQuantConfig:
     """How one kind of tensor (weights, activations, keys, values) is quantized."""
 
-    format: str = "int"  # int | fp8_e4m3 | fp8_e5m2 | nvfp4 | mxfp4 | mxfp8
+    format: str = "int"  # int | fp8_e4m3 | fp8_e5m2 | nvfp4 | mxfp4 | mxfp8 (table in harness.quant.tensor)
     bits: int = 8  # int only
     symmetric: bool = True  # int only; asymmetric adds a zero point per group
     granularity: str = "channel"  # tensor | channel | group | token | block | head
@@ -96,8 +96,11 @@ class AWQConfig:
     grid: int = 20  # points of the alpha grid in [0, 1)
     duo_scaling: bool = False  # llm-compressor's mean|x|^a / mean|w|^(1-a) variant
     clip: bool = True  # search a per-group clipping ratio after scaling
-    clip_grid: int = 20
+    clip_grid: int = 20  # shrink steps of 1/clip_grid; max_shrink * clip_grid of them are tried
     max_shrink: float = 0.5
+    # Calibration sequences the alpha and clip losses are measured on (0: all); the activation
+    # statistics always use every sequence. Search time grows linearly with it (8: minutes on CPU).
+    search_samples: int = 8
 
 
 @dataclass
@@ -120,7 +123,12 @@ class CalibrationConfig:
 @dataclass
 class QuantConfig:
     name: str = MISSING  # scheme name used in run names and tags
-    method: str = "rtn"  # rtn | gptq | awq | smoothquant (registry in harness.quant)
+    method: str = "rtn"  # rtn | gptq | awq | smoothquant, or one a plugin registers (harness.quant.register_method)
+    # Modules imported before the scheme is checked; each registers methods or number formats on import.
+    plugins: list[str] = field(default_factory=list)
+    # Settings of a method registered outside harness.quant, checked against its own dataclass
+    # (the built-in methods keep theirs in quant.gptq / quant.awq / quant.smoothquant).
+    settings: dict[str, Any] = field(default_factory=dict)
     weights: Optional[TensorQuantConfig] = None  # None: weights stay in high precision
     activations: Optional[TensorQuantConfig] = None  # None: weight-only (W*A16)
     kv_cache: Optional[KVCacheQuantConfig] = None  # None: full-precision KV cache

@@ -10,7 +10,8 @@ few-shot contexts, built as ``simple_evaluate`` builds them) with the model's to
 ``scored`` is context + continuation of every log-likelihood request, ``prompt`` the prompts of
 generation requests, ``generated`` their ``max_gen_toks`` (an upper bound: generation stops at
 a stop sequence), ``divergence`` the gold texts scored for KL/PPL, ``calibration`` the
-calibration set of GPTQ/AWQ/SmoothQuant schemes. Time = load + (scored + prompt + divergence
+calibration set, once per part of the scheme that calibrates (a GPTQ/AWQ/SmoothQuant method,
+static activation scales, static KV-cache scales; ``quant.calibration_passes``). Time = load + (scored + prompt + divergence
 + calibration) / prefill rate + generated / decode rate, with rates measured by a short forward
 and a short generation of the configured model on this machine (``--tokens-per-s`` and
 ``--decode-tokens-per-s`` give a GPU's rates instead, and skip loading the model). The
@@ -259,9 +260,9 @@ def _reference_plan(cfg: RunConfig, slice_: Slice, counts: SliceTokens, model: _
 
 
 def _job_plan(number: int, overrides: list[str], cfg: RunConfig, counted: list[SliceTokens], model: _Model) -> JobPlan:
-    calibration = 0
-    if cfg.quant.method != "rtn":
-        calibration = cfg.quant.calibration.num_samples * cfg.quant.calibration.seq_len
+    # One pass over the calibration set per part that calibrates: the method, static activation or KV scales.
+    calibration = len(quant.calibration_passes(cfg.quant)) * cfg.quant.calibration.num_samples * \
+        cfg.quant.calibration.seq_len
     status = "not checked"
     if model.loaded is not None:
         finished = run_key(cfg, model.loaded.identity) in finished_run_keys(Path(cfg.paths.results_dir))

@@ -16,8 +16,11 @@ grid point α = 0 and no clipping, AWQ equals RTN).
 
 As in llm-awq, every block sees the full-precision outputs of the blocks before it (the
 transforms are equivalences), scales are searched on the unmodified block and then applied.
-The loss of the α and clip searches is measured on the first ``search_samples`` calibration
-sequences; the activation statistics use all of them.
+The loss of the α and clip searches is measured on the first ``quant.awq.search_samples``
+calibration sequences; the activation statistics use all of them. Search cost per block ≈
+Σ over foldable groups of ``grid`` × (fake-quantize the group's weights + run its inspected
+module on search_samples × seq_len tokens), plus per clipped linear ``max_shrink · clip_grid``
+rounds on 512 sampled tokens.
 """
 from __future__ import annotations
 
@@ -29,20 +32,19 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from harness.config import QuantConfig, TensorQuantConfig
+from harness.config import AWQConfig, QuantConfig, TensorQuantConfig
 from harness.quant.adapters import (Adapter, BlockProgress, LinearGroup, block_on_device, capture_block_inputs,
                                     get_adapter, make_batches, round_outside_blocks, run_block,
                                     small_ops_threads)
 from harness.quant.base import QuantReport, bits_for, register_method, target_linears
-from harness.quant.calibrated_cache import run_cached
 from harness.quant.tensor import SchemeError, fake_quantize
 
 log = logging.getLogger(__name__)
 
-# Sequences on which the α and clip losses are measured (0: all). Full-precision statistics
-# always use every sequence. 8 × 512 tokens keeps SmolLM2 on a 2-core CPU within minutes;
-# on a GPU use all (quant.awq.search_samples=0 once the config carries the field).
-DEFAULT_SEARCH_SAMPLES = 8
+# Sequences on which the α and clip losses are measured (0: all): quant.awq.search_samples. Full-precision
+# statistics always use every sequence. 8 × 512 tokens keeps SmolLM2 on a 2-core CPU within minutes;
+# on a GPU use all (quant.awq.search_samples=0).
+DEFAULT_SEARCH_SAMPLES = AWQConfig.search_samples
 CLIP_TOKENS = 512  # llm-awq's n_sample_token for the clip search
 CLIP_BATCH_ELEMENTS = 1 << 24  # rows × tokens × groups per clip-search batch (64 MiB of float32 outputs)
 
@@ -276,7 +278,7 @@ def quantize_awq(model: nn.Module, scheme: QuantConfig, tokens: Tensor, device: 
                     handle.remove()
             _process_block(block, prefix, adapter, foldable, captures, targets, spec, settings, outcome)
             if apply_quantization:
-                _clip_and_round(block, prefix, adapter, groups, captures, block_targets, originals, scheme, settings,
+                _clip_and_round(prefix, adapter, groups, captures, block_targets, originals, scheme, settings,
                                 outcome, report)
             hidden = outputs
         progress.done(index)
@@ -311,7 +313,7 @@ def _process_block(block: nn.Module, prefix: str, adapter: Adapter, groups: list
             captures[group.prev].inputs[i] = x / result.scales.to(x.dtype)
 
 
-def _clip_and_round(block: nn.Module, prefix: str, adapter: Adapter, groups: list[LinearGroup],
+def _clip_and_round(prefix: str, adapter: Adapter, groups: list[LinearGroup],
                     captures: dict[str, _GroupCapture], block_targets: dict[str, nn.Linear],
                     originals: dict[str, Tensor], scheme: QuantConfig, settings: Any, outcome: AWQOutcome,
                     report: QuantReport) -> None:
@@ -344,15 +346,20 @@ def _clip_and_round(block: nn.Module, prefix: str, adapter: Adapter, groups: lis
         outcome.changed.append(f"{full}.weight")
 
 
-@register_method("awq")
-def awq(model: nn.Module, scheme: QuantConfig, context: object, report: QuantReport) -> None:
-    if context is None or not hasattr(context, "tokens"):
-        raise SchemeError("quant.method=awq needs calibration data: pass a CalibrationContext to quant.apply")
-    search_samples = getattr(scheme.awq, "search_samples", DEFAULT_SEARCH_SAMPLES)
+def _check_settings(scheme: QuantConfig) -> None:
+    settings = scheme.awq
+    for name in ("grid", "clip_grid"):
+        if getattr(settings, name) < 1:
+            raise SchemeError(f"quant.awq.{name}={getattr(settings, name)} must be at least 1 (default 20)")
+    if settings.search_samples < 0:
+        raise SchemeError(f"quant.awq.search_samples={settings.search_samples} must be >= 0 (0: every sequence)")
+    if not 0.0 <= settings.max_shrink <= 1.0:
+        raise SchemeError(f"quant.awq.max_shrink={settings.max_shrink} must lie in [0, 1] (default 0.5)")
 
-    def compute() -> list[str]:
-        outcome = quantize_awq(model, scheme, context.tokens(), context.device, report,
-                               batch_size=getattr(context, "batch_size", 8), search_samples=search_samples)
-        return sorted(set(outcome.changed))
 
-    run_cached(model, scheme, context, report, compute)
+@register_method("awq", settings=AWQConfig, section="awq", needs=("tokens",), cacheable=True,
+                 weight_formats=("int",), validate=_check_settings)
+def awq(model: nn.Module, scheme: QuantConfig, context: Any, report: QuantReport) -> list[str]:
+    outcome = quantize_awq(model, scheme, context.tokens(), context.device, report,
+                           batch_size=getattr(context, "batch_size", 8), search_samples=scheme.awq.search_samples)
+    return sorted(set(outcome.changed))

@@ -1,13 +1,19 @@
 """What every quantization method shares: target selection, the report, the method registry.
 
-A method is a function ``(model, scheme, context) -> None`` registered by name; it
-quantizes the target linears' weights in place and records each layer in the report.
+A method is a function ``(model, scheme, context, report)`` registered with its traits
+(:class:`MethodSpec`: settings schema, what it needs from the calibration context, whether its
+weights are cached, which weight formats it solves for); validation, the calibrated-weight
+cache, ``harness.quant.apply`` and the sweep planner ask the spec, never the method's name.
+It quantizes the target linears' weights in place and records each layer in the report.
 ``harness.quant.apply`` validates the scheme against the model's shapes first, runs the
 method, then installs activation and KV-cache quantization, which compose with any method.
+A method or format outside the package registers itself from a module listed in ``quant.plugins``.
 """
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
+import importlib
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Protocol
@@ -16,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from harness.config import QuantConfig
+from harness.quant.kv import validate_kv_cache
 from harness.quant.tensor import SchemeError, input_multiple, storage_bits, validate_spec
 
 
@@ -84,28 +91,140 @@ class QuantContext(Protocol):
     tokenizer: Any
     device: torch.device
 
+    def tokens(self) -> Tensor: ...
+
     def calibration_batches(self) -> list[Tensor]: ...
 
 
-Method = Callable[[nn.Module, QuantConfig, Any, QuantReport], None]
-_METHODS: dict[str, Method] = {}
+# A method quantizes the target linears' weights in place, records each layer in the report and
+# returns the names (as in ``model.named_parameters()``) of the parameters it changed (needed when
+# it is cacheable: those are what the calibrated-weight cache stores).
+Method = Callable[[nn.Module, QuantConfig, Any, QuantReport], "list[str] | None"]
+
+# What a method may need from the calibration context, and the context attribute that provides it.
+CONTEXT_NEEDS = {
+    "tokens": "tokens",  # the [num_samples, seq_len] token set (block-by-block capture: GPTQ, AWQ)
+    "batches": "calibration_batches",  # forward passes over the calibration batches (maxima, static scales)
+}
 
 
-def register_method(name: str) -> Callable[[Method], Method]:
+@dataclass(frozen=True)
+class MethodSpec:
+    """A weight method and everything the rest of the harness asks about it."""
+
+    name: str  # the value of quant.method
+    quantize: Method
+    settings: type | None = None  # dataclass schema of the method's settings (None: it has none)
+    # QuantConfig field holding the settings (the built-ins: quant.gptq.*); None: quant.settings
+    section: str | None = None
+    needs: frozenset[str] = frozenset()  # from the calibration context (keys of CONTEXT_NEEDS)
+    cacheable: bool = False  # its weights go in the calibrated-weight cache (keyed by its settings)
+    weight_formats: frozenset[str] | None = None  # quant.weights formats it can solve for (None: any, or none)
+    validate: Callable[[QuantConfig], None] | None = None  # further checks of its settings (SchemeError)
+
+    @property
+    def calibrated(self) -> bool:
+        return bool(self.needs)
+
+
+_METHODS: dict[str, MethodSpec] = {}
+
+
+def register_method(name: str, *, settings: type | None = None, section: str | None = None,
+                    needs: tuple[str, ...] = (), cacheable: bool = False, weight_formats: tuple[str, ...] | None = None,
+                    validate: Callable[[QuantConfig], None] | None = None) -> Callable[[Method], Method]:
+    """Decorator registering ``fn`` as method ``name`` with its traits (see :class:`MethodSpec`)."""
+    unknown = set(needs) - set(CONTEXT_NEEDS)
+    if unknown:
+        raise ValueError(f"method {name!r}: unknown needs {sorted(unknown)}; use {sorted(CONTEXT_NEEDS)}")
+    if settings is not None and not dataclasses.is_dataclass(settings):
+        raise ValueError(f"method {name!r}: settings must be a dataclass type, got {settings!r}")
+    if cacheable and not needs:
+        raise ValueError(f"method {name!r}: only calibrated methods (with needs) are cacheable")
+
     def decorator(fn: Method) -> Method:
-        _METHODS[name] = fn
+        previous = _METHODS.get(name)
+        if previous is not None and previous.quantize.__module__ != fn.__module__:  # a reload may re-register
+            raise ValueError(f"method {name!r} is already registered by {previous.quantize.__module__}")
+        _METHODS[name] = MethodSpec(name, fn, settings, section, frozenset(needs), cacheable,
+                                    None if weight_formats is None else frozenset(weight_formats), validate)
         return fn
     return decorator
 
 
-def get_method(name: str) -> Method:
+def unregister_method(name: str) -> None:
+    """Remove a method (tests that register a toy one)."""
+    _METHODS.pop(name, None)
+
+
+def get_method(name: str) -> MethodSpec:
     if name not in _METHODS:
-        raise SchemeError(f"quant.method={name!r} is not registered; available: {sorted(_METHODS)}")
+        raise SchemeError(f"quant.method={name!r} is not registered; available: {sorted(_METHODS)} (a method "
+                          "outside harness.quant registers itself from a module listed in quant.plugins)")
     return _METHODS[name]
 
 
 def available_methods() -> list[str]:
     return sorted(_METHODS)
+
+
+def load_plugins(scheme: QuantConfig) -> None:
+    """Import the modules of ``quant.plugins``: each registers methods or formats on import."""
+    for module in scheme.plugins:
+        try:
+            importlib.import_module(module)
+        except ImportError as error:
+            raise SchemeError(f"quant.plugins: cannot import {module!r} ({error}); put its directory on "
+                              "PYTHONPATH or fix the name") from error
+
+
+def method_settings(scheme: QuantConfig) -> Any:
+    """The scheme's settings for its method, as the method's schema (None when it has none).
+
+    Built-ins keep theirs in their own QuantConfig section (``quant.gptq.*``); other methods read
+    ``quant.settings``, checked against their dataclass as Hydra checks the built-in sections.
+    """
+    spec = get_method(scheme.method)
+    if spec.section is not None:
+        return getattr(scheme, spec.section)
+    if spec.settings is None:
+        return None
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(spec.settings), dict(scheme.settings or {}))
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as error:
+        fields = [f.name for f in dataclasses.fields(spec.settings)]
+        raise SchemeError(f"quant.settings for method {spec.name}: {str(error).splitlines()[0]}; its settings "
+                          f"are {fields}") from error
+
+
+def calibration_passes(scheme: QuantConfig) -> list[tuple[str, frozenset[str]]]:
+    """Each part of the scheme that runs over the calibration set, with what it needs from the context.
+
+    The method (when calibrated), static activation scales and static KV-cache scales each make
+    one pass; methods under ``rtn`` calibrate too when a scale is static (fp8_static, kv8).
+    """
+    passes = []
+    spec = get_method(scheme.method)
+    if spec.calibrated:
+        passes.append((f"quant.method={spec.name}", spec.needs))
+    if scheme.activations is not None and not scheme.activations.dynamic:
+        passes.append(("static activation scales (quant.activations.dynamic=false)", frozenset({"batches"})))
+    kv = scheme.kv_cache
+    if kv is not None and any(s is not None and not s.dynamic for s in (kv.keys, kv.values)):
+        passes.append(("static KV-cache scales (quant.kv_cache.*.dynamic=false)", frozenset({"batches"})))
+    return passes
+
+
+def check_context(scheme: QuantConfig, context: Any) -> None:
+    """Refuse a context that lacks what the scheme's calibration passes need, before any work."""
+    for what, needs in calibration_passes(scheme):
+        missing = [f"{CONTEXT_NEEDS[n]}()" for n in sorted(needs) if not hasattr(context, CONTEXT_NEEDS[n])]
+        if missing:
+            raise SchemeError(f"{what} needs calibration data (a context with {', '.join(missing)}): pass a "
+                              "CalibrationContext to quant.apply")
 
 
 def _matches(name: str, patterns: list[str]) -> bool:
@@ -127,19 +246,28 @@ def target_linears(model: nn.Module, scheme: QuantConfig) -> tuple[dict[str, nn.
 
 
 def validate_scheme(scheme: QuantConfig) -> None:
-    """Checks that need no model: every spec on its own."""
-    get_method(scheme.method)
+    """Checks that need no model: the plugins, the method and its settings, every spec on its own."""
+    load_plugins(scheme)
+    spec = get_method(scheme.method)
+    if scheme.settings and spec.section is not None:
+        raise SchemeError(f"quant.settings is for methods registered outside harness.quant; {spec.name}'s settings "
+                          f"are quant.{spec.section}.*")
+    if scheme.settings and spec.settings is None:
+        raise SchemeError(f"quant.settings={dict(scheme.settings)}: method {spec.name} takes no settings")
+    method_settings(scheme)
+    if spec.validate is not None:
+        spec.validate(scheme)
     if scheme.weights is not None:
         validate_spec(scheme.weights, "weights")
     if scheme.activations is not None:
         validate_spec(scheme.activations, "activations")
-        if not scheme.activations.dynamic and scheme.activations.format == "nvfp4":
-            raise SchemeError("quant.activations: NVFP4 activations with a static scale are not supported")
     if scheme.kv_cache is not None:
-        from harness.quant.kv import validate_kv_cache
         validate_kv_cache(scheme.kv_cache)
-    if scheme.method in ("gptq", "awq") and (scheme.weights is None or scheme.weights.format != "int"):
-        raise SchemeError(f"quant.method={scheme.method} solves for an integer grid: set quant.weights.format=int")
+    formats = spec.weight_formats
+    if formats is not None and (scheme.weights is None or scheme.weights.format not in formats):
+        grid = "an integer grid" if formats == {"int"} else f"the grids {sorted(formats)}"
+        raise SchemeError(f"quant.method={spec.name} solves for {grid}: set quant.weights.format="
+                          f"{'|'.join(sorted(formats))}")
 
 
 def validate_for_model(model: nn.Module, scheme: QuantConfig) -> None:

@@ -1,5 +1,6 @@
 """Cache of calibrated weights, so that a sweep's jobs and later runs never redo calibration.
 
+``harness.quant.apply`` runs every method whose spec says ``cacheable`` through :func:`run_cached`.
 An entry holds every parameter a calibrated method changed (quantized target weights, and
 for AWQ the norms and linears that absorbed its scales) as safetensors, plus the method's
 per-layer report. It is keyed by the model's identity, the parts of the scheme that shape
@@ -20,12 +21,12 @@ from torch import nn
 
 from harness.cache import stable_hash
 from harness.config import QuantConfig
-from harness.quant.base import LayerReport, QuantReport
+from harness.quant.base import LayerReport, QuantReport, get_method, method_settings
 
 log = logging.getLogger(__name__)
 
 NAMESPACE = "calibrated"
-# Bump when a change to GPTQ/AWQ alters the weights they produce: old entries are then ignored.
+# Bump when a change to a cacheable method (GPTQ, AWQ) alters the weights it produces: old entries are then ignored.
 ALGORITHM_VERSION = 1
 _TENSORS = "weights.safetensors"
 _REPORT = "report.json"
@@ -45,13 +46,13 @@ def _plain(value: Any) -> Any:
 
 def scheme_identity(scheme: QuantConfig) -> dict[str, Any]:
     """The parts of a scheme that determine the calibrated weights."""
-    method_settings = getattr(scheme, scheme.method, None) if scheme.method in ("gptq", "awq") else None
+    spec = get_method(scheme.method)
     return {
         "method": scheme.method,
         "weights": _plain(scheme.weights),
         "targets": list(scheme.targets),
         "keep": list(scheme.keep),
-        "settings": _plain(method_settings),
+        "settings": _plain(method_settings(scheme)) if spec.cacheable else None,
         "version": ALGORITHM_VERSION,
     }
 

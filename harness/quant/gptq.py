@@ -21,16 +21,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from harness.config import QuantConfig, TensorQuantConfig
+from harness.config import GPTQConfig, QuantConfig, TensorQuantConfig
 from harness.quant import formats
 from harness.quant.adapters import (BlockProgress, block_on_device, capture_block_inputs, get_adapter, make_batches,
                                     round_outside_blocks, small_ops_threads, staged_forward)
 from harness.quant.base import QuantReport, bits_for, register_method, target_linears
-from harness.quant.calibrated_cache import run_cached
 from harness.quant.tensor import SchemeError
 
 log = logging.getLogger(__name__)
@@ -225,9 +225,8 @@ def quantize_gptq(model: nn.Module, scheme: QuantConfig, tokens: Tensor, device:
     return changed
 
 
-@register_method("gptq")
-def gptq(model: nn.Module, scheme: QuantConfig, context: object, report: QuantReport) -> None:
-    if context is None or not hasattr(context, "tokens"):
-        raise SchemeError("quant.method=gptq needs calibration data: pass a CalibrationContext to quant.apply")
-    run_cached(model, scheme, context, report, lambda: quantize_gptq(
-        model, scheme, context.tokens(), context.device, report, batch_size=getattr(context, "batch_size", 8)))
+@register_method("gptq", settings=GPTQConfig, section="gptq", needs=("tokens",), cacheable=True,
+                 weight_formats=("int",))
+def gptq(model: nn.Module, scheme: QuantConfig, context: Any, report: QuantReport) -> list[str]:
+    return quantize_gptq(model, scheme, context.tokens(), context.device, report,
+                         batch_size=getattr(context, "batch_size", 8))

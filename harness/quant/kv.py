@@ -45,13 +45,11 @@ import torch
 from torch import Tensor, nn
 
 from harness.config import KVCacheQuantConfig, TensorQuantConfig
-from harness.quant import formats
-from harness.quant.tensor import SchemeError, validate_spec
+from harness.quant.tensor import FORMATS, SchemeError, get_format, validate_spec
 
 __all__ = ["KVLayerState", "calibrate_kv_scales", "fake_quantize_kv", "full_precision_masks", "install_kv_quant",
-           "kv_layer_states", "kv_quant_mode", "remove_kv_quant", "validate_kv_cache"]
+           "kv_formats", "kv_layer_states", "kv_quant_mode", "remove_kv_quant", "validate_kv_cache"]
 
-KV_FORMATS = {"int": None, "fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2"}
 KEY_GRANULARITIES = ("tensor", "head", "token", "channel")
 VALUE_GRANULARITIES = ("tensor", "head", "token")
 STATIC_GRANULARITIES = ("tensor", "head")
@@ -72,40 +70,34 @@ def validate_kv_cache(cfg: KVCacheQuantConfig) -> None:
             continue
         where = f"quant.kv_cache.{role}"
         validate_spec(spec, role)
-        if spec.format not in KV_FORMATS:
-            raise SchemeError(f"{where}.format={spec.format!r}: the KV cache supports {sorted(KV_FORMATS)}")
+        if not get_format(spec.format).scaled:
+            raise SchemeError(f"{where}.format={spec.format!r}: the KV cache supports {kv_formats()} (formats "
+                              "that round onto a given scale)")
         if spec.granularity not in allowed:
             hint = " (per-channel KIVI grouping is for keys; values are per token)" if role == "values" else ""
             raise SchemeError(f"{where}.granularity={spec.granularity!r}: use one of {list(allowed)}{hint}")
         if not spec.dynamic and spec.granularity not in STATIC_GRANULARITIES:
             raise SchemeError(f"{where}: a calibrated (dynamic: false) scale is per tensor or per head, not "
                               f"per {spec.granularity}; set granularity: tensor|head or dynamic: true")
-        if not spec.dynamic and spec.format == "int" and not spec.symmetric:
-            raise SchemeError(f"{where}: calibrated int scales are symmetric (amax/qmax); set symmetric: true")
+        if not spec.dynamic and not spec.symmetric:
+            raise SchemeError(f"{where}: calibrated {spec.format} scales are symmetric (amax/qmax); set symmetric: true")
     if cfg.keys is not None and cfg.keys.granularity == "channel" and cfg.group_tokens <= 0:
         raise SchemeError(f"quant.kv_cache.group_tokens={cfg.group_tokens} must be positive for per-channel keys")
 
 
-def _format_max(spec: TensorQuantConfig) -> float:
-    if spec.format == "int":
-        return float(2 ** (spec.bits - 1) - 1)
-    return formats.FP8_MAX[KV_FORMATS[spec.format]]
+def kv_formats() -> list[str]:
+    """Registered formats the KV cache can use: those that round onto a given scale."""
+    return sorted(name for name, fmt in FORMATS.items() if fmt.scaled)
 
 
 def _apply_scale(x: Tensor, spec: TensorQuantConfig, scale: Tensor, zero: Tensor | None = None) -> Tensor:
     """Round ``x`` onto the grid of broadcastable ``scale`` (and integer ``zero``) and dequantize."""
-    if spec.format == "int":
-        zero = torch.zeros_like(scale) if zero is None else zero
-        return formats.int_fake_quant(x, scale, zero, spec.bits, symmetric=spec.symmetric)
-    return formats.fp8_quantize(x, KV_FORMATS[spec.format], scale=scale)
+    return get_format(spec.format).round(x, spec, scale, zero)
 
 
 def _reduced_qparams(x: Tensor, spec: TensorQuantConfig, dims: tuple[int, ...]) -> tuple[Tensor, Tensor | None]:
     """Scale (and zero) over ``dims``; NaN elements of ``x`` are ignored (used to mask padding out)."""
-    if spec.format == "int":
-        return formats.int_qparams(x, spec.bits, symmetric=spec.symmetric, dim=dims, include_zero=False)
-    amax = torch.where(torch.isfinite(x), x.abs(), 0.0).amax(dim=dims, keepdim=True)
-    return torch.where(amax > 0, amax / _format_max(spec), 1.0), None
+    return get_format(spec.format).qparams(x, spec, dims, False)
 
 
 def _grouped_channel(x: Tensor, spec: TensorQuantConfig, positions: Tensor, valid: Tensor,
@@ -135,19 +127,16 @@ def fake_quantize_kv(x: Tensor, spec: TensorQuantConfig, *, positions: Tensor | 
 
     ``positions`` ``[batch, tokens]``: absolute positions (channel groups are aligned to them; default
     0..T-1). ``valid`` ``[batch, tokens]``: tokens that enter dynamic tensor/head/channel statistics
-    (default all). ``static_scale``: calibrated scale, a scalar or one per kv head. INT grids are
-    :func:`formats.int_qparams` with ``include_zero=False`` (KIVI's min/max, no widening to 0); FP8 is
-    ``fp8_cast(x / scale) * scale`` with ``scale = amax / fmt_max``.
+    (default all). ``static_scale``: calibrated scale, a scalar or one per kv head. Scales and rounding
+    come from the format's entry (``harness.quant.tensor``) with ``include_zero=False``: INT grids use
+    KIVI's min/max (no widening to 0); FP8 is ``fp8_cast(x / scale) * scale`` with ``scale = amax / fmt_max``.
     """
     batch, _, length, _ = x.shape
     if static_scale is not None:
         scale = static_scale.to(device=x.device, dtype=torch.float32)
         return _apply_scale(x.float(), spec, scale.reshape(1, -1, 1, 1) if scale.ndim else scale).to(x.dtype)
     if spec.granularity == "token":
-        if spec.format == "int":
-            return formats.int_quantize(x, spec.bits, symmetric=spec.symmetric, granularity="token",
-                                        include_zero=False)
-        return formats.fp8_quantize(x, KV_FORMATS[spec.format], granularity="token")
+        return get_format(spec.format).quantize(x, spec, "token", False)
     if valid is None:
         valid = torch.ones(batch, length, dtype=torch.bool, device=x.device)
     if spec.granularity == "channel":
@@ -416,5 +405,5 @@ def calibrate_kv_scales(model: nn.Module, batches: list[Tensor]) -> None:
                 continue
             amax = state.observed[role]
             amax = amax.amax() if spec.granularity == "tensor" else amax
-            scale = torch.where(amax > 0, amax / _format_max(spec), torch.ones_like(amax))
+            scale = torch.where(amax > 0, amax / get_format(spec.format).max(spec), torch.ones_like(amax))
             setattr(state, "key_scale" if role == "keys" else "value_scale", scale)

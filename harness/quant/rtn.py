@@ -23,4 +23,5 @@ def quantize_weights_rtn(model: nn.Module, scheme: QuantConfig, report: QuantRep
 
 @register_method("rtn")
 def rtn(model: nn.Module, scheme: QuantConfig, context: object, report: QuantReport) -> None:
+    """No calibration, any weight format: the baseline every other method is compared with."""
     quantize_weights_rtn(model, scheme, report)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from harness.config import QuantConfig
+from harness.config import QuantConfig, SmoothQuantConfig
 from harness.quant.adapters import get_adapter
 from harness.quant.base import QuantReport, register_method, target_linears
 from harness.quant.rtn import quantize_weights_rtn
@@ -132,15 +132,18 @@ def smooth_model(model: nn.Module, groups: list[SmoothGroup], maxima: dict[str, 
     return scales_by_norm
 
 
-@register_method("smoothquant")
-def smoothquant(model: nn.Module, scheme: QuantConfig, context: Any, report: QuantReport) -> None:
-    """Smooth with calibration maxima, then round the weights to nearest with ``scheme.weights``."""
+def _check_alpha(scheme: QuantConfig) -> None:
     alpha = float(scheme.smoothquant.alpha)
     if not 0.0 <= alpha <= 1.0:
         raise SchemeError(f"quant.smoothquant.alpha={alpha}: the migration strength must lie in [0, 1] "
                           "(0.5 default; 0.8-0.9 for larger models)")
-    if context is None or not hasattr(context, "calibration_batches"):
-        raise SchemeError("quant.method=smoothquant needs calibration text (a QuantContext with calibration_batches)")
+
+
+@register_method("smoothquant", settings=SmoothQuantConfig, section="smoothquant", needs=("batches",),
+                 validate=_check_alpha)
+def smoothquant(model: nn.Module, scheme: QuantConfig, context: Any, report: QuantReport) -> None:
+    """Smooth with calibration maxima, then round the weights to nearest with ``scheme.weights``."""
+    alpha = float(scheme.smoothquant.alpha)
     adapter = get_adapter(model)
     groups = smooth_groups(model, scheme)
     batches = context.calibration_batches()

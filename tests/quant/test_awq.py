@@ -169,3 +169,45 @@ def test_awq_model_beats_rtn_on_outlier_model_and_reports_effective_weights() ->
     assert all(5.0 < layer.sqnr_db < 40.0 for layer in report.layers)
     q_proj = awq_model.model.layers[0].self_attn.q_proj.weight
     assert not torch.equal(q_proj, fake_quantize(reference.model.layers[0].self_attn.q_proj.weight, ASYM))
+
+
+@torch.no_grad()
+def test_search_samples_comes_from_the_config_and_bad_settings_fail_at_config_time() -> None:
+    from dataclasses import dataclass
+
+    from harness import quant
+    from harness.quant import awq as awq_mod
+    from harness.quant.tensor import SchemeError
+
+    @dataclass
+    class Context:
+        token_set: torch.Tensor
+        device: torch.device = torch.device("cpu")
+        batch_size: int = 4
+
+        def tokens(self) -> torch.Tensor:
+            return self.token_set
+
+    assert AWQConfig().search_samples == 8  # the default is unchanged
+    seen = []
+
+    def search_scales(linears, quantize, inspect, *args, **kwargs):  # sequences the α loss is measured on
+        seen.append(sum(out.shape[0] for out in inspect()))
+        return real(linears, quantize, inspect, *args, **kwargs)
+
+    real = awq_mod.search_scales
+    for samples, expected in ((4, 4), (0, 12)):  # 0: every sequence
+        scheme = _scheme()
+        scheme.awq.search_samples = samples
+        seen.clear()
+        awq_mod.search_scales = search_scales
+        try:
+            quant.apply(tiny_llama(), scheme, Context(_tokens(12)))
+        finally:
+            awq_mod.search_scales = real
+        assert set(seen) == {expected}
+    for field, value in (("grid", 0), ("clip_grid", 0), ("search_samples", -1), ("max_shrink", 1.5)):
+        scheme = _scheme()
+        setattr(scheme.awq, field, value)
+        with pytest.raises(SchemeError, match=f"quant.awq.{field}={value}"):
+            quant.validate_scheme(scheme)

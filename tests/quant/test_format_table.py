@@ -1,0 +1,175 @@
+"""The number-format table: one entry added here is usable for weights, activations and the KV cache.
+
+The toy format is a symmetric 3-bit integer grid (codes -3..3, scale amax / 3) built from the
+existing primitives; every check compares against a numpy reference written out here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from harness import quant
+from harness.config import KVCacheQuantConfig, QuantConfig, TensorQuantConfig
+from harness.quant import formats
+from harness.quant.kv import fake_quantize_kv, install_kv_quant, kv_formats, kv_layer_states, validate_kv_cache
+from harness.quant.linear import ActQuantLinear
+from harness.quant.tensor import FORMATS, NumberFormat, SchemeError, unregister_format
+
+TOY = "toy_int3"
+
+
+def toy_entry() -> NumberFormat:
+    """A 3-bit symmetric integer grid, by hand from formats.int_* (no maker helper)."""
+    def quantize(x, spec, granularity, include_zero=True):
+        return formats.int_quantize(x, 3, symmetric=True, granularity=granularity,
+                                    group_size=spec.group_size if granularity == "group" else None)
+
+    def round_(x, spec, scale, zero):
+        return formats.int_fake_quant(x, scale, torch.zeros_like(scale), 3, symmetric=True)
+
+    def qparams(x, spec, dims, include_zero):
+        return formats.int_qparams(x, 3, symmetric=True, dim=dims)
+
+    def storage(spec, out_features, in_features):
+        per_scale = {"channel": in_features, "token": in_features, "group": spec.group_size}
+        return 3 + spec.scale_bits / per_scale[spec.granularity]
+
+    return NumberFormat(TOY, max=lambda spec: 3.0, element_bits=lambda spec: 3.0,
+                        granularities=frozenset({"tensor", "channel", "group", "token"}), quantize=quantize,
+                        storage_bits=storage, round=round_, qparams=qparams)
+
+
+@pytest.fixture
+def toy_format():
+    quant.register_format(toy_entry())
+    yield TOY
+    unregister_format(TOY)
+
+
+def reference(x: np.ndarray, axis=None) -> np.ndarray:
+    """Symmetric 3-bit grid, scale amax / 3 over ``axis`` (None: the whole array), ties to even."""
+    scale = np.abs(x).max(axis=axis, keepdims=True) / 3
+    return np.clip(np.round(x / scale), -3, 3) * scale
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+@dataclass
+class Batches:
+    batches: list[torch.Tensor]
+
+    def calibration_batches(self) -> list[torch.Tensor]:
+        return self.batches
+
+
+def ids(seed: int, shape=(2, 16)) -> torch.Tensor:
+    return torch.randint(0, 64, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_the_built_in_formats_are_one_entry_each():
+    assert {"int", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4", "mxfp8"} <= set(FORMATS)
+    assert FORMATS["fp8_e4m3"].max(TensorQuantConfig()) == 448.0 and FORMATS["fp8_e5m2"].max(None) == 57344.0
+    assert FORMATS["int"].max(TensorQuantConfig(bits=4)) == 7.0
+    assert [FORMATS[n].block_size for n in ("nvfp4", "mxfp4", "mxfp8")] == [16, 32, 32]
+    assert kv_formats() == ["fp8_e4m3", "fp8_e5m2", "int"]  # block formats have no static-scale rounding
+
+
+@torch.no_grad()
+def test_a_registered_format_quantizes_weights_as_its_reference(toy_format):
+    model = tiny_llama()
+    originals = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    scheme = QuantConfig(name="w3", method="rtn", weights=TensorQuantConfig(format=toy_format, granularity="channel"))
+    report = quant.apply(model, scheme)
+    assert len(report.layers) == 14
+    for layer in report.layers:
+        weight = model.get_submodule(layer.name).weight
+        expected = reference(originals[layer.name].numpy(), axis=1)
+        np.testing.assert_allclose(weight.numpy(), expected, rtol=1e-6, atol=1e-7)
+        assert layer.bits_per_weight == 3 + 16 / layer.in_features
+    grouped = TensorQuantConfig(format=toy_format, granularity="group", group_size=32, ragged_groups=True)
+    w = torch.randn(4, 80)  # 80 = 2 x 32 + a ragged 16: the shorter last group gets its own scale
+    expected = np.concatenate([reference(w[:, :64].numpy().reshape(4, 2, 32), axis=2).reshape(4, 64),
+                               reference(w[:, 64:].numpy(), axis=1)], axis=1)
+    np.testing.assert_allclose(quant.fake_quantize(w, grouped).numpy(), expected, rtol=1e-6, atol=1e-7)
+
+
+@torch.no_grad()
+def test_a_registered_format_quantizes_dynamic_and_static_activations(toy_format):
+    model = tiny_llama()
+    scheme = QuantConfig(name="a3", method="rtn", activations=TensorQuantConfig(format=toy_format, granularity="token"))
+    quant.apply(model, scheme)
+    linear = model.model.layers[0].mlp.down_proj
+    assert isinstance(linear, ActQuantLinear)
+    x = torch.randn(3, 5, 128)
+    expected = torch.from_numpy(reference(x.numpy(), axis=-1)) @ linear.weight.T
+    torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-5)
+
+    static = tiny_llama()
+    scheme = QuantConfig(name="a3s", method="rtn",
+                         activations=TensorQuantConfig(format=toy_format, granularity="tensor", dynamic=False))
+    with pytest.raises(SchemeError, match="calibration"):
+        quant.apply(static, scheme)
+    seen: list[torch.Tensor] = []
+    down = static.model.layers[0].mlp.down_proj
+    handle = down.register_forward_pre_hook(lambda _m, args: seen.append(args[0].abs().amax()))
+    batches = [ids(1), ids(2)]
+    for batch in batches:  # observe the inputs the calibration will see, unquantized
+        static(batch)
+    handle.remove()
+    quant.apply(static, scheme, Batches(batches))
+    torch.testing.assert_close(down.input_scale, torch.stack(seen).max() / 3, rtol=1e-6, atol=0)
+    x = torch.randn(2, 128)
+    scale = float(down.input_scale)
+    expected = np.clip(np.round(x.numpy() / scale), -3, 3) * scale
+    torch.testing.assert_close(down(x), torch.from_numpy(expected).float() @ down.weight.T, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_a_registered_format_quantizes_the_kv_cache(toy_format):
+    token = TensorQuantConfig(format=toy_format, granularity="token")
+    validate_kv_cache(KVCacheQuantConfig(keys=token, values=token))
+    assert toy_format in kv_formats()
+    x = torch.randn(2, 2, 7, 16)
+    np.testing.assert_allclose(fake_quantize_kv(x, token).numpy(), reference(x.numpy(), axis=-1), rtol=1e-6, atol=1e-7)
+    head = TensorQuantConfig(format=toy_format, granularity="head")
+    np.testing.assert_allclose(fake_quantize_kv(x, head).numpy(), reference(x.numpy(), axis=(2, 3)),
+                               rtol=1e-6, atol=1e-7)
+
+    model = tiny_llama()
+    static = TensorQuantConfig(format=toy_format, granularity="tensor", dynamic=False)
+    cfg = KVCacheQuantConfig(keys=static, values=static)
+    install_kv_quant(model, cfg, Batches([ids(3)]))
+    states = kv_layer_states(model)
+    assert len(states) == 2
+    for state in states.values():
+        torch.testing.assert_close(state.key_scale, state.observed["keys"].amax() / 3, rtol=0, atol=0)
+    values = torch.randn(1, 2, 5, 16)
+    quantized = fake_quantize_kv(values, static, static_scale=state.value_scale)
+    scale = float(state.value_scale)
+    np.testing.assert_allclose(quantized.numpy(), np.clip(np.round(values.numpy() / scale), -3, 3) * scale,
+                               rtol=1e-6, atol=1e-7)
+    assert torch.isfinite(model(ids(4)).logits).all()
+
+
+def test_a_registered_format_is_validated_by_its_entry(toy_format):
+    with pytest.raises(SchemeError, match=f"asymmetric {toy_format}"):
+        quant.validate_scheme(QuantConfig(name="x", weights=TensorQuantConfig(format=toy_format, symmetric=False)))
+    with pytest.raises(SchemeError, match="supports"):
+        quant.validate_scheme(QuantConfig(name="x", weights=TensorQuantConfig(format=toy_format, granularity="block")))
+    with pytest.raises(SchemeError, match="integer grid"):  # GPTQ solves for the int grid only
+        quant.validate_scheme(QuantConfig(name="x", method="gptq", weights=TensorQuantConfig(format=toy_format)))
+    unregister_format(toy_format)
+    with pytest.raises(SchemeError, match=f"format='{toy_format}'"):
+        quant.validate_scheme(QuantConfig(name="x", weights=TensorQuantConfig(format=toy_format)))

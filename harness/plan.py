@@ -32,8 +32,8 @@ from omegaconf import OmegaConf
 from harness import divergence, models, quant
 from harness.cache import Cache, stable_hash
 from harness.config import RunConfig, compose, load_model_config
-from harness.run import (divergence_texts, eval_settings, max_divergence_tokens, reference_key, run_key,
-                         slice_identity)
+from harness.identity import (divergence_texts, eval_settings, max_divergence_tokens, reference_key, run_key,
+                              slice_identity)
 from harness.slices import Slice, resolve
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval HFLM's default when a task does not set max_gen_toks

@@ -184,17 +184,17 @@ class SensitivityResult:
 
 def reference_texts(loaded: Any, cfg: RunConfig, n_texts: int) -> list[divergence.ReferenceText]:
     """The reference pass over the selected slices' divergence texts (``n_texts`` in all, spread over slices)."""
-    from harness import run as pipeline
+    from harness import identity
     from harness.slices import resolve
 
     slices = resolve(cfg.slices)
-    settings = pipeline.eval_settings(cfg, pipeline.tokenizer_dir(loaded, cfg))
+    settings = identity.eval_settings(cfg, identity.tokenizer_dir(loaded))
     per_slice = max(1, math.ceil(n_texts / len(slices)))
     scored: list[divergence.ReferenceText] = []
     for slice_ in slices:
-        texts = pipeline.divergence_texts(slice_, cfg, settings)[:per_slice]
+        texts = identity.divergence_texts(slice_, cfg, settings)[:per_slice]
         scored += divergence.score_reference(loaded.model, loaded.tokenizer, texts,
-                                             max_tokens=pipeline.max_divergence_tokens(slice_, cfg))
+                                             max_tokens=identity.max_divergence_tokens(slice_, cfg))
     if not scored:
         raise ValueError(f"the slices {list(cfg.slices)} give no divergence texts; pick an offline slice (slices=math)")
     return scored[:n_texts]

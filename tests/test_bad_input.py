@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import models, run as run_mod
+from harness import identity, models, run as run_mod
 from harness.config import SliceConfig, load_model_config
 from harness.quant import SchemeError
 from harness.slices import SliceError
@@ -53,7 +53,7 @@ def test_group_size_that_does_not_divide_is_refused_before_evaluation(make_cfg, 
 def test_unknown_slice_names_the_offline_slices(make_cfg, tmp_path):
     out = _cli("slices=[nope]", "--cfg", "job", cwd=tmp_path)
     assert out.returncode != 0 and "unknown slices option(s) ['nope']" in out.stderr and "math" in out.stderr
-    cfg = run_mod.to_config(make_cfg(*TINY_MATH))
+    cfg = identity.to_config(make_cfg(*TINY_MATH))
     cfg.slices["nope"] = SliceConfig(tasks=["x"], size="quick")  # configured, but no generator on disk
     with pytest.raises(SliceError, match="offline slices"):
         run_mod.run(cfg)

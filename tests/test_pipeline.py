@@ -1,13 +1,14 @@
 """The whole pipeline on the tiny random model: config → quantize → evaluate → compare → MLflow."""
 from __future__ import annotations
 
+import copy
 import json
 
 import mlflow
 import pandas as pd
 import pytest
 
-from harness import run as run_mod
+from harness import identity, run as run_mod
 from tests.conftest import TINY_MATH
 
 
@@ -50,6 +51,22 @@ def test_int4_run_writes_results_and_logs_mlflow(make_cfg, tmp_path):
     assert run.data.params["quant.weights.group_size"] == "128"
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"items.parquet", "summary.json", "config.yaml"} <= artifacts
+
+
+def test_run_leaves_the_callers_config_as_given_and_writes_summary_once(make_cfg, tmp_path, monkeypatch):
+    cfg = identity.to_config(make_cfg(*TINY_MATH, "quant=int4_g128", "tracking.tags.sweep_id=night-1",
+                                      "tracking.enabled=false"))
+    given = copy.deepcopy(cfg)
+    assert given.quant.weights.ragged_groups is None  # the job fills it from the model's default
+    writes: list[str] = []
+    original = run_mod.atomic_write_json
+    monkeypatch.setattr(run_mod, "atomic_write_json", lambda path, data: (writes.append(path.name), original(path, data)))
+    result = run_mod.run(cfg)
+    assert cfg == given
+    assert result["tags"] == {"harness.sweep_id": "night-1"}
+    assert writes.count("summary.json") == 1 and writes[-1] == "summary.json"
+    on_disk = json.loads((next((tmp_path / "results").glob("*")) / "summary.json").read_text())
+    assert on_disk["metrics"] == result["metrics"] and "write" in on_disk["timings"]
 
 
 def test_second_scheme_reuses_the_reference(make_cfg, tmp_path, caplog):

@@ -30,6 +30,7 @@ from harness.cache import Cache, atomic_write_json, atomic_write_text
 from harness.config import RunConfig
 from harness.identity import config_dict, eval_settings, run_key, run_name, to_config, tokenizer_dir
 from harness.reference_stage import SliceReference, compute_reference
+from harness.runtime import apply_threads
 from harness.slices import Slice, check_hub_for_registry, resolve
 
 log = logging.getLogger("harness")
@@ -86,6 +87,7 @@ def job_config(cfg: DictConfig | RunConfig) -> RunConfig:
 def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     """Run one job; returns the summary (also written to results/<run>/summary.json)."""
     cfg = job_config(cfg)
+    runtime = apply_threads(cfg.runtime)  # once, before any torch work
     logging.getLogger("lm_eval").setLevel(logging.WARNING)  # per-request INFO lines drown the stage log
     timings = Timings()
     checked = preflight(cfg)
@@ -117,6 +119,7 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
                                evaluated.records, tokens, cfg.compare, list(cfg.eval.position_buckets),
                                lambda text: loaded.tokenizer(text, add_special_tokens=False)["input_ids"])
     result = summary_record(cfg, key, comparison, quant_report, references, evaluated, timings, loaded)
+    result["runtime"] = runtime
     with timings.stage("write"):
         write_results(results_dir, cfg, comparison, tokens, quant_report, result)
     result["timings"].update(timings.stages)
@@ -126,7 +129,7 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     with timings.stage("logging"):
         _log_to_mlflow(results_dir, cfg, checked)
     result["timings"].update(timings.stages)  # the returned summary also times the logging
-    log.info("results: %s", results_dir)
+    log.info("results: %s (torch threads: %d, from %s)", results_dir, runtime["threads"], runtime["threads_from"])
     return result
 
 

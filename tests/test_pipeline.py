@@ -7,6 +7,7 @@ import json
 import mlflow
 import pandas as pd
 import pytest
+import torch
 
 from harness import identity, run as run_mod
 from tests.conftest import TINY_MATH
@@ -55,7 +56,7 @@ def test_int4_run_writes_results_and_logs_mlflow(make_cfg, tmp_path):
 
 def test_run_leaves_the_callers_config_as_given_and_writes_summary_once(make_cfg, tmp_path, monkeypatch):
     cfg = identity.to_config(make_cfg(*TINY_MATH, "quant=int4_g128", "tracking.tags.sweep_id=night-1",
-                                      "tracking.enabled=false"))
+                                      "tracking.enabled=false", "runtime.threads=1"))
     given = copy.deepcopy(cfg)
     assert given.quant.weights.ragged_groups is None  # the job fills it from the model's default
     writes: list[str] = []
@@ -67,6 +68,7 @@ def test_run_leaves_the_callers_config_as_given_and_writes_summary_once(make_cfg
     assert writes.count("summary.json") == 1 and writes[-1] == "summary.json"
     on_disk = json.loads((next((tmp_path / "results").glob("*")) / "summary.json").read_text())
     assert on_disk["metrics"] == result["metrics"] and "write" in on_disk["timings"]
+    assert on_disk["runtime"] == {"threads": 1, "threads_from": "runtime.threads"} and torch.get_num_threads() == 1
 
 
 def test_second_scheme_reuses_the_reference(make_cfg, tmp_path, caplog):

@@ -101,3 +101,18 @@ def test_unreachable_tracking_server_keeps_results_on_disk(make_cfg, tmp_path, c
     assert (directory / "summary.json").exists() and (directory / "items.parquet").exists()
     assert result["metrics"]["math/kl_mean"] >= 0
     assert any("harness.sync" in r.getMessage() for r in caplog.records)
+
+
+def test_sync_command_line_errors_are_one_line(tmp_path, capsys):
+    from harness import sync
+
+    assert sync.main([]) == 2
+    assert capsys.readouterr().err.strip() == "error: no results directory given; e.g. python -m harness.sync results/"
+    assert sync.main([str(tmp_path), "--uri", "http://x"]) == 2
+    assert "unknown flag '--uri'" in capsys.readouterr().err
+    assert sync.main([str(tmp_path), "experimnt=x"]) == 2
+    assert "unknown option 'experimnt'; python -m harness.sync options: experiment, paths, uri" in capsys.readouterr().err
+    assert sync.main([str(tmp_path)]) == 2  # an empty directory holds no results
+    assert capsys.readouterr().err.startswith(f"error: no results directories in {tmp_path}")
+    assert sync.main(["--help"]) == 0
+    assert "uri=None" in capsys.readouterr().out

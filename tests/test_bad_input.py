@@ -116,3 +116,29 @@ def test_sync_command_line_errors_are_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.startswith(f"error: no results directories in {tmp_path}")
     assert sync.main(["--help"]) == 0
     assert "uri=None" in capsys.readouterr().out
+
+
+def test_a_user_fixable_error_of_the_job_is_one_line_without_traceback(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "harness", "model=llama8b", "model.device=cpu",
+                          "tracking.enabled=false", f"paths.results_dir={tmp_path / 'results'}"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", "HYDRA_FULL_ERROR": "0", "PYTHONPATH": str(REPO)})
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr and "Error executing job" not in out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Llama-3.1-8B-Instruct" in errors[0] and "model.path" in errors[0]
+
+
+def test_a_real_bug_keeps_its_traceback(tmp_path):
+    program = ("import runpy, sys\n"
+               "import harness.run\n"
+               "def broken(cfg):\n"
+               "    raise RuntimeError('a bug, not the user')\n"
+               "harness.run.run = broken\n"
+               "sys.argv = ['harness', 'model=tiny_random', 'tracking.enabled=false']\n"
+               "runpy.run_module('harness', run_name='__main__', alter_sys=True)\n")
+    out = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HYDRA_FULL_ERROR": "0", "PYTHONPATH": str(REPO)})
+    assert out.returncode != 0
+    assert "Traceback" in out.stderr and "RuntimeError: a bug, not the user" in out.stderr
+    assert not any(line.startswith("error: ") for line in out.stderr.splitlines())

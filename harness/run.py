@@ -115,13 +115,16 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
         tokens = pd.concat([divergence.compare_to_reference(loaded.model, references[s.name].texts, s.name)
                             for s in checked.slices], ignore_index=True)
 
-    comparison = summary.build(pd.concat([r.records for r in references.values()], ignore_index=True),
-                               evaluated.records, tokens, cfg.compare, list(cfg.eval.position_buckets),
+    reference_records = pd.concat([r.records for r in references.values()], ignore_index=True)
+    with timings.stage("write"):  # before any statistics: a failure there never loses the evaluation
+        write_records(results_dir, cfg, summary.pair_items(reference_records, evaluated.records), tokens, quant_report)
+    comparison = summary.build(reference_records, evaluated.records, tokens, cfg.compare,
+                               list(cfg.eval.position_buckets),
                                lambda text: loaded.tokenizer(text, add_special_tokens=False)["input_ids"])
     result = summary_record(cfg, key, comparison, quant_report, references, evaluated, timings, loaded)
     result["runtime"] = runtime
     with timings.stage("write"):
-        write_results(results_dir, cfg, comparison, tokens, quant_report, result)
+        write_analysis(results_dir, cfg, comparison, quant_report, result)
     result["timings"].update(timings.stages)
     atomic_write_json(results_dir / "summary.json", result)  # last: marks the results complete
     shutil.rmtree(checkpoint, ignore_errors=True)  # the results it protected are on disk now
@@ -202,18 +205,23 @@ def _quant_context(loaded: models.LoadedModel, cfg: RunConfig, cache: Cache) -> 
                               device=torch.device(cfg.model.device), cache=cache, scheme=cfg.quant)
 
 
-def write_results(directory: Path, cfg: RunConfig, comparison: summary.Comparison, tokens: pd.DataFrame,
-                  quant_report: quant.QuantReport, result: dict) -> None:
-    """Everything a later reader needs but summary.json, which the caller writes last (it marks completion)."""
+def write_records(directory: Path, cfg: RunConfig, items: pd.DataFrame, tokens: pd.DataFrame,
+                  quant_report: quant.QuantReport) -> None:
+    """What was measured, before anything is computed from it: config, paired items, token rows, layers."""
     config = config_dict(cfg)
     atomic_write_json(directory / "config.json", config)
     atomic_write_text(directory / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(config)))
-    _write_parquet(comparison.items, directory / "items.parquet")
-    _write_parquet(comparison.item_stats, directory / "item_stats.parquet")
+    _write_parquet(items, directory / "items.parquet")
     _write_parquet(tokens, directory / "tokens.parquet")
+    _write_parquet(pd.DataFrame(quant_report.to_records()), directory / "quant_layers.parquet")
+
+
+def write_analysis(directory: Path, cfg: RunConfig, comparison: summary.Comparison, quant_report: quant.QuantReport,
+                   result: dict) -> None:
+    """The statistics and reports; summary.json, which marks completion, is written last by the caller."""
+    _write_parquet(comparison.item_stats, directory / "item_stats.parquet")
     _write_parquet(comparison.token_stats, directory / "token_stats.parquet")
     _write_parquet(comparison.generation, directory / "generation.parquet")
-    _write_parquet(pd.DataFrame(quant_report.to_records()), directory / "quant_layers.parquet")
     decode_floor(quant_report, cfg).to_csv(directory / "decode_floor.csv", index=False)
     atomic_write_text(directory / "report.md", report.markdown(comparison, result))
 

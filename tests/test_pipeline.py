@@ -71,6 +71,26 @@ def test_run_leaves_the_callers_config_as_given_and_writes_summary_once(make_cfg
     assert on_disk["runtime"] == {"threads": 1, "threads_from": "runtime.threads"} and torch.get_num_threads() == 1
 
 
+def test_records_are_on_disk_before_statistics_fail(make_cfg, tmp_path, monkeypatch):
+    from harness import stats
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("cluster-robust SE is 0")
+
+    monkeypatch.setattr(stats, "compare_frame", broken)
+    with pytest.raises(ZeroDivisionError):
+        run_mod.run(make_cfg(*TINY_MATH, "quant=int8", "tracking.enabled=false"))
+    directory = next((tmp_path / "results").glob("*"))
+    items = pd.read_parquet(directory / "items.parquet")
+    assert len(items) == 36 and items["item_id"].is_unique  # both tasks' items, both models' answers
+    assert {"correct_ref", "correct_quant", "response_ref", "response_quant"} <= set(items.columns)
+    tokens = pd.read_parquet(directory / "tokens.parquet")
+    assert len(tokens) > 0 and (tokens["kl"] >= 0).all()
+    assert (directory / "config.json").exists() and (directory / "quant_layers.parquet").exists()
+    assert not (directory / "summary.json").exists()  # not finished: a rerun computes the statistics
+    assert (directory / "checkpoint").exists()  # ... from the kept lm-eval checkpoint, without re-evaluating
+
+
 def test_second_scheme_reuses_the_reference(make_cfg, tmp_path, caplog):
     first = run_mod.run(make_cfg(*TINY_MATH, "quant=int8"))
     second = run_mod.run(make_cfg(*TINY_MATH, "quant=int4"))

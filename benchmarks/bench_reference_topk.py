@@ -26,7 +26,7 @@ import torch
 
 from harness import divergence, models, quant
 from harness.config import REPO_DIR, compose, load_model_config
-from harness.run import divergence_texts, eval_settings, to_config, tokenizer_dir
+from harness.identity import divergence_texts, eval_settings, to_config, tokenizer_dir
 from harness.slices import resolve
 
 BYTES_PER_LOGPROB = 4  # float32, as score_reference stores them
@@ -67,7 +67,7 @@ def measure(args: argparse.Namespace) -> dict:
     cfg = to_config(compose([f"model={args.model}", f"quant={args.scheme}", f"slices=[{args.slices}]",
                              f"model.device={args.device}"]))
     quant.apply(quantized.model, quant.with_model_defaults(cfg.quant, True))
-    settings = eval_settings(cfg, tokenizer_dir(reference, cfg))
+    settings = eval_settings(cfg, tokenizer_dir(reference))
     ks: list = [int(k) for k in args.ks.split(",")] + list(HIDDEN_VARIANTS)
     per_slice: dict[str, dict] = {}
     start = time.perf_counter()

@@ -27,10 +27,10 @@ from typing import Any
 
 _EXPORTS = {
     "compose": ("harness.config", "compose"),
-    "to_config": ("harness.run", "to_config"),
+    "to_config": ("harness.identity", "to_config"),
     "run_job": ("harness.run", "run"),
-    "eval_settings": ("harness.run", "eval_settings"),
-    "reference": ("harness.run", "compute_reference"),
+    "eval_settings": ("harness.identity", "eval_settings"),
+    "reference": ("harness.reference_stage", "compute_reference"),
     "load_model": ("harness.models", "load"),
     "quantize": ("harness.quant", "apply"),
     "with_model_defaults": ("harness.quant", "with_model_defaults"),

@@ -1,44 +1,36 @@
-"""``python -m harness model=... quant=... slices=...`` — see README.md."""
+"""``python -m harness model=... quant=... slices=...`` — see README.md.
+
+Hydra composes and validates the config; errors a user can fix (an unknown config-group option,
+a model that cannot be loaded, a scheme that cannot apply, an unusable slice or tracking store —
+:func:`harness.cli.user_errors`) print one ``error: ...`` line naming the fix and exit with
+status 2, without Hydra's "Error executing job" traceback. Real bugs keep their traceback.
+"""
 from __future__ import annotations
 
-import re
 import sys
 
 import hydra
 from omegaconf import DictConfig
 
+from harness import cli
 from harness.config import CONF_DIR, register_configs
 
 register_configs()
-GROUPS = ("model", "quant", "slices")
-
-
-def check_group_options(argv: list[str]) -> str | None:
-    """Name unknown config-group options and list the available ones (Hydra does not for lists)."""
-    for arg in argv:
-        match = re.fullmatch(r"(?:\+|~)?(model|quant|slices)=(.+)", arg)
-        if not match:
-            continue
-        group, value = match.groups()
-        options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
-        chosen = [v.strip() for v in value.strip("[]").split(",") if v.strip()]
-        unknown = [v for v in chosen if v not in options]
-        if unknown:
-            return f"unknown {group} option(s) {unknown}; available {group} options: {', '.join(options)}"
-    return None
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
     from harness.run import run
 
-    result = run(cfg)
+    try:
+        result = run(cfg)
+    except cli.user_errors() as exc:
+        sys.exit(cli.fail(str(exc)))  # SystemExit passes Hydra's job wrapper: no traceback around it
     return result.get("metrics", {}).get("overall/kl_mean")
 
 
 if __name__ == "__main__":
-    problem = check_group_options(sys.argv[1:])
+    problem = cli.group_option_problem(sys.argv[1:])
     if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(cli.fail(problem))
     main()

@@ -191,6 +191,16 @@ class PathsConfig:
 
 
 @dataclass
+class RuntimeConfig:
+    """How the job uses this machine; never part of a result's identity (run key)."""
+
+    # torch intra-op CPU threads. None: the CPUs this job was given ($OMP_NUM_THREADS if set, else
+    # the process's CPU affinity, capped by $SLURM_CPUS_PER_TASK). Set 1 beside other work: with
+    # more threads than free cores every thread waits on the slowest (4x slower measured here).
+    threads: Optional[int] = None
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = MISSING
     quant: QuantConfig = MISSING
@@ -200,6 +210,7 @@ class RunConfig:
     compare: CompareConfig = field(default_factory=CompareConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     force: bool = False  # recompute even when a finished result for this config exists
 
 

@@ -1,4 +1,4 @@
-"""``python -m harness.plan [-m] <overrides ...> [--tokens-per-s N]`` — size a sweep before running it.
+"""``python -m harness.plan [-m] <overrides ...> [tokens_per_s=N]`` — size a sweep before running it.
 
 Takes the overrides of a ``python -m harness -m ...`` command, expands the sweep exactly as
 Hydra's basic sweeper does, and prints one row per job plus one per reference (each model's
@@ -13,28 +13,27 @@ a stop sequence), ``divergence`` the gold texts scored for KL/PPL, ``calibration
 calibration set, once per part of the scheme that calibrates (a GPTQ/AWQ/SmoothQuant method,
 static activation scales, static KV-cache scales; ``quant.calibration_passes``). Time = load + (scored + prompt + divergence
 + calibration) / prefill rate + generated / decode rate, with rates measured by a short forward
-and a short generation of the configured model on this machine (``--tokens-per-s`` and
-``--decode-tokens-per-s`` give a GPU's rates instead, and skip loading the model). The
+and a short generation of the configured model on this machine (``tokens_per_s=`` and
+``decode_tokens_per_s=`` give a GPU's rates instead, and skip loading the model). The
 estimate is linear in tokens: attention makes very long contexts slower than that.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from omegaconf import OmegaConf
 
-from harness import divergence, models, quant
+from harness import cli, divergence, models, quant
 from harness.cache import Cache, stable_hash
-from harness.config import RunConfig, compose, load_model_config
-from harness.run import (divergence_texts, eval_settings, max_divergence_tokens, reference_key, run_key,
-                         slice_identity)
+from harness.config import RunConfig, load_model_config
+from harness.identity import (divergence_texts, eval_settings, max_divergence_tokens, reference_key, run_key,
+                              slice_identity)
 from harness.slices import Slice, resolve
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval HFLM's default when a task does not set max_gen_toks
@@ -233,7 +232,7 @@ def plan_sweep(overrides: Sequence[str], *, tokens_per_s: float | None = None,
 
 
 def _job_config(overrides: list[str]) -> RunConfig:
-    cfg: RunConfig = OmegaConf.to_object(compose(overrides))  # type: ignore[assignment]
+    cfg: RunConfig = cli.compose_run(overrides)  # a bad override is a one-line usage error
     cfg.quant = quant.with_model_defaults(cfg.quant, cfg.model.ragged_groups)
     quant.validate_scheme(cfg.quant)
     return cfg
@@ -241,8 +240,11 @@ def _job_config(overrides: list[str]) -> RunConfig:
 
 def _prepare_model(cfg: RunConfig, tokens_per_s: float | None, decode_tokens_per_s: float | None) -> _Model:
     if tokens_per_s:
-        rate = Throughput(tokens_per_s, decode_tokens_per_s or tokens_per_s, 0.0, "given (--tokens-per-s)")
+        rate = Throughput(tokens_per_s, decode_tokens_per_s or tokens_per_s, 0.0, "given (tokens_per_s=)")
         return _Model(rate, _tokenizer_for(cfg, Cache(cfg.paths.cache_dir)), None)
+    from harness.runtime import apply_threads
+
+    apply_threads(cfg.runtime)  # the rates are measured with the threads the job would use
     loaded = models.load(cfg.model, cfg.paths.cache_dir)
     prefill, decode = measure_throughput(loaded, cfg)
     rate = Throughput(prefill, decode_tokens_per_s or decode, loaded.timings.get("load_s", 0.0),
@@ -323,20 +325,33 @@ def format_plan(plan: SweepPlan) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harness.plan",
-                                     description="Dry run of `python -m harness -m <overrides>`: jobs, tokens, time.")
-    parser.add_argument("-m", "--multirun", action="store_true",
-                        help="accepted for symmetry with python -m harness; sweeps are always expanded")
-    parser.add_argument("--tokens-per-s", type=float,
-                        help="forward tokens/s of the target machine (skips loading and measuring the model)")
-    parser.add_argument("--decode-tokens-per-s", type=float,
-                        help="generated tokens/s (default: --tokens-per-s when given, else measured)")
-    parser.add_argument("overrides", nargs="*", help="the Hydra overrides of the sweep, e.g. quant=int8,int4_g128")
-    args = parser.parse_args(argv)
-    plan = plan_sweep(args.overrides, tokens_per_s=args.tokens_per_s, decode_tokens_per_s=args.decode_tokens_per_s)
+@dataclass
+class PlanOptions:
+    tokens_per_s: Optional[float] = field(default=None, metadata={
+        "help": "forward tokens/s of the target machine (skips loading and measuring the model)"})
+    decode_tokens_per_s: Optional[float] = field(default=None, metadata={
+        "help": "generated tokens/s (None: tokens_per_s when given, else measured)"})
+
+
+TOOL = cli.Tool(prog="python -m harness.plan", options=PlanOptions, run_config=True, flags=("-m", "--multirun"),
+                summary="Dry run of `python -m harness -m <overrides>`: one row per job and per reference, the "
+                        "tokens each runs through the model and an estimated time. Nothing is evaluated. -m is "
+                        "accepted for symmetry with python -m harness; sweeps are always expanded.")
+
+
+def _plan(parsed: cli.Parsed[PlanOptions]) -> None:
+    options = parsed.options
+    for name in ("tokens_per_s", "decode_tokens_per_s"):
+        value = getattr(options, name)
+        if value is not None and value <= 0:
+            raise cli.UsageError(f"{name}={value}: give a positive rate, or leave it unset to measure it here")
+    plan = plan_sweep(parsed.overrides, tokens_per_s=options.tokens_per_s,
+                      decode_tokens_per_s=options.decode_tokens_per_s)
     print(format_plan(plan))
-    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return cli.main(TOOL, _plan, argv)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""``python -m harness.report_quant model=... quant=... [--gpus H100,H200,B200]`` — what a scheme does to the weights.
+"""``python -m harness.report_quant model=... quant=... [gpus=H100,H200,B200] [out=DIR]`` — what a scheme does to the weights.
 
 Loads the model, applies the scheme and reports, per quantized linear, the SQNR and relative RMS
 error of its weights, then the bits per weight including scales, the model's weight size in GB
@@ -8,26 +8,24 @@ per weight, for nominal 8B and 70B models (the quantization primers' table: 70B 
 140 GB, 41.8 ms/token on an H100's 3.35 TB/s). Tables are written as Markdown and CSV under
 ``<paths.results_dir>/quant_report/<model>__<scheme>/``.
 
-The overrides are the run's own (same config, composed by :func:`harness.config.compose`);
-``--gpus`` takes names from :data:`GPU_BANDWIDTH` or ``NAME=TB/s`` pairs.
+The command line follows :mod:`harness.cli`: the tool's own options (:class:`ReportQuantOptions`)
+and the run's own overrides (same config as ``python -m harness``); ``gpus=`` takes names from
+:data:`GPU_BANDWIDTH` or ``NAME=TB/s`` pairs, ``runtime.threads=N`` sets torch's CPU threads.
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pandas as pd
 import torch
-from omegaconf import OmegaConf
-
-from harness import models, quant
+from harness import cli, models, quant
 from harness.cache import Cache, atomic_write_text
-from harness.config import RunConfig, compose
+from harness.config import RunConfig
 from harness.quant import smoothquant  # noqa: F401  (registers "smoothquant")
 from harness.quant.base import QuantReport
 
@@ -113,13 +111,15 @@ def parse_gpus(spec: str) -> dict[str, float]:
             try:
                 gpus[name.strip()] = float(value) * 1e12
             except ValueError:
-                raise ValueError(f"--gpus {item!r}: bandwidth must be a number of TB/s, e.g. H100=3.35") from None
+                raise cli.UsageError(f"gpus={spec}: bandwidth of {item!r} must be a number of TB/s, "
+                                     "e.g. H100=3.35") from None
         elif item in GPU_BANDWIDTH:
             gpus[item] = GPU_BANDWIDTH[item]
         else:
-            raise ValueError(f"--gpus: unknown GPU {item!r}; known {sorted(GPU_BANDWIDTH)}, or give NAME=TB/s")
+            raise cli.UsageError(f"gpus={spec}: unknown GPU {item!r}; known {', '.join(sorted(GPU_BANDWIDTH))}, "
+                                 "or give NAME=TB/s")
     if not gpus:
-        raise ValueError("--gpus selects no GPU")
+        raise cli.UsageError(f"gpus={spec!r} selects no GPU; e.g. gpus=H100,H200")
     return gpus
 
 
@@ -134,7 +134,9 @@ class Prepared:
 def prepare(cfg: RunConfig) -> Prepared:
     """Check the scheme, load the model and build its calibration context (no quantization yet)."""
     from harness.quant.calibration import CalibrationContext
+    from harness.runtime import apply_threads
 
+    apply_threads(cfg.runtime)
     scheme = quant.with_model_defaults(cfg.quant, cfg.model.ragged_groups)
     quant.validate_scheme(scheme)
     models.check_available(cfg.model)
@@ -143,15 +145,6 @@ def prepare(cfg: RunConfig) -> Prepared:
     context = CalibrationContext(model_key=loaded.key, tokenizer=loaded.tokenizer, config=scheme.calibration,
                                  device=torch.device(cfg.model.device), cache=Cache(cfg.paths.cache_dir), scheme=scheme)
     return Prepared(loaded, scheme, context)
-
-
-def split_cli(argv: list[str], parser: argparse.ArgumentParser) -> tuple[argparse.Namespace, RunConfig]:
-    """Own ``--options`` for ``parser``, everything else Hydra overrides of the run config."""
-    options, overrides = parser.parse_known_args(argv)
-    unknown = [o for o in overrides if o.startswith("--")]
-    if unknown:
-        parser.error(f"unknown options {unknown}")
-    return options, OmegaConf.to_object(compose(overrides))  # type: ignore[return-value]
 
 
 def output_dir(cfg: RunConfig, kind: str) -> Path:
@@ -222,23 +215,30 @@ def report_quant(cfg: RunConfig, gpus: dict[str, float] | None = None, directory
     return tables
 
 
-def main(argv: list[str] | None = None) -> QuantReportTables:
-    parser = argparse.ArgumentParser(prog="python -m harness.report_quant",
-                                     description="Per-layer weight error, bits per weight, size and decode floor of a "
-                                                 "scheme. Other arguments are Hydra overrides (model=... quant=...).")
-    parser.add_argument("--gpus", default=",".join(DEFAULT_GPUS),
-                        help=f"comma list of {sorted(GPU_BANDWIDTH)} or NAME=TB/s (default %(default)s)")
-    parser.add_argument("--out", type=Path, default=None, help="output directory (default results/quant_report/...)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (1 is much faster than 2 on a machine whose cores are busy)")
-    options, cfg = split_cli(list(sys.argv[1:] if argv is None else argv), parser)
-    if options.threads:
-        torch.set_num_threads(options.threads)
-    tables = report_quant(cfg, parse_gpus(options.gpus), options.out)
+@dataclass
+class ReportQuantOptions:
+    gpus: str = field(default=",".join(DEFAULT_GPUS),
+                      metadata={"help": f"GPUs of the decode-floor columns: {', '.join(sorted(GPU_BANDWIDTH))} "
+                                        "or NAME=TB/s, comma-separated"})
+    out: Optional[str] = field(default=None, metadata={"help": "output directory (None: "
+                                                               "<paths.results_dir>/quant_report/<model>__<scheme>)"})
+
+
+TOOL = cli.Tool(prog="python -m harness.report_quant", options=ReportQuantOptions, run_config=True,
+                summary="Per-layer weight error, bits per weight, size and batch-1 decode floor of a scheme "
+                        "(model=... quant=...; nothing is evaluated).")
+
+
+def _report(parsed: cli.Parsed[ReportQuantOptions]) -> None:
+    options = parsed.options
+    gpus = parse_gpus(options.gpus)  # a bad GPU name fails before the model loads
+    tables = report_quant(parsed.run, gpus, Path(options.out) if options.out else None)
     print(tables.markdown())
-    return tables
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.main(TOOL, _report, argv)
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    main()
+    sys.exit(main())

@@ -1,10 +1,12 @@
 """The pipeline of one job, top to bottom: config → model → reference → quantize →
 evaluate → divergence → compare → results on disk → MLflow.
 
-Each stage is a function of plain data so a notebook can run them one at a time
-(see the README's Python API). Expensive stages are preceded by every check that can be
-made in advance, and the reference (the unquantized model's per-item records and
-next-token distributions) is cached by content hash, so every scheme of a sweep reuses it.
+This module orchestrates and nothing else: what a job *is* (its keys, settings and
+divergence texts) lives in :mod:`harness.identity`, the reference stage in
+:mod:`harness.reference`, each stage's work in its own module. Every stage is a function of
+plain data so a notebook can run them one at a time (see the README's Python API).
+Expensive stages are preceded by every check that can be made in advance. The caller's
+config is never modified, and each results file is written once.
 """
 from __future__ import annotations
 
@@ -23,12 +25,19 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from harness import divergence, evaluate, models, quant, report, summary, sweep, tracking
-from harness.cache import Cache, atomic_write_json, atomic_write_text, file_sha256, stable_hash
+from harness import cli, divergence, evaluate, models, quant, report, summary, sweep, tracking
+from harness.cache import Cache, atomic_write_json, atomic_write_text
 from harness.config import RunConfig
+from harness.identity import config_dict, eval_settings, run_key, run_name, to_config, tokenizer_dir
+from harness.reference_stage import SliceReference, compute_reference
+from harness.runtime import apply_threads
 from harness.slices import Slice, check_hub_for_registry, resolve
 
 log = logging.getLogger("harness")
+
+
+class ResultsDirError(PermissionError, cli.UsageError):
+    """The results directory cannot be written; the message names it and the setting to change."""
 
 
 @dataclass
@@ -46,129 +55,102 @@ class Timings:
 
 
 @dataclass
-class SliceReference:
+class Preflight:
+    """What the checks before loading the model found: the slices and the tracking store."""
+
+    slices: list[Slice]
+    uri: str
+    tracking_problem: str | None
+
+
+@dataclass
+class Evaluated:
+    """The quantized model's per-item records and lm-eval bookkeeping, all slices."""
+
     records: pd.DataFrame
     aggregates: dict[str, float]
-    texts: list[divergence.ReferenceText]
-    cached: bool
-    restored_requests: int = 0  # requests read back from an interrupted attempt's checkpoint
+    restored: dict[str, int]  # requests read back from an interrupted attempt's checkpoint
+    requests: dict[str, int]
 
 
-def to_config(cfg: DictConfig | RunConfig) -> RunConfig:
-    if isinstance(cfg, RunConfig):
-        return cfg
-    return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+def job_config(cfg: DictConfig | RunConfig) -> RunConfig:
+    """The job's own config: scheme defaults of the model filled in, the sweep id tagged.
+
+    A copy: the caller's config (a notebook may reuse it) is left exactly as given.
+    """
+    cfg = to_config(cfg)
+    tags = sweep.tags_with_sweep_id(cfg.tracking.tags)  # harness.sweep_id groups a sweep's runs
+    return dataclasses.replace(cfg, quant=quant.with_model_defaults(cfg.quant, cfg.model.ragged_groups),
+                               tracking=dataclasses.replace(cfg.tracking, tags=tags))
 
 
-def config_dict(cfg: RunConfig) -> dict:
-    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
+def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
+    """Run one job; returns the summary (also written to results/<run>/summary.json)."""
+    cfg = job_config(cfg)
+    runtime = apply_threads(cfg.runtime)  # once, before any torch work
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)  # per-request INFO lines drown the stage log
+    timings = Timings()
+    checked = preflight(cfg)
+    cache = Cache(cfg.paths.cache_dir)
+    with timings.stage("load"):
+        loaded = models.load(cfg.model, cfg.paths.cache_dir)
+    quant.validate_for_model(loaded.model, cfg.quant)
+    key = run_key(cfg, loaded.identity)
+    results_dir = prepare_results_dir(cfg, key)
+    if (results_dir / "summary.json").exists() and not cfg.force:
+        log.info("finished results for this config exist in %s; reusing them (force=true recomputes)", results_dir)
+        _log_to_mlflow(results_dir, cfg, checked)
+        return pd.read_json(results_dir / "summary.json", typ="series").to_dict()
+    checkpoint = results_dir / "checkpoint"  # lm-eval's per-request results: a killed job resumes from them
+    if cfg.force:
+        shutil.rmtree(checkpoint, ignore_errors=True)
+
+    with timings.stage("reference"):
+        references = {s.name: compute_reference(loaded, s, cfg, cache) for s in checked.slices}
+    with timings.stage("quantize"):
+        quant_report = quant.apply(loaded.model, cfg.quant, _quant_context(loaded, cfg, cache))
+    with timings.stage("evaluate"):
+        evaluated = evaluate_quantized(loaded, checked.slices, cfg, checkpoint)
+    with timings.stage("divergence"):
+        tokens = pd.concat([divergence.compare_to_reference(loaded.model, references[s.name].texts, s.name)
+                            for s in checked.slices], ignore_index=True)
+
+    reference_records = pd.concat([r.records for r in references.values()], ignore_index=True)
+    with timings.stage("write"):  # before any statistics: a failure there never loses the evaluation
+        write_records(results_dir, cfg, summary.pair_items(reference_records, evaluated.records), tokens, quant_report)
+    comparison = summary.build(reference_records, evaluated.records, tokens, cfg.compare,
+                               list(cfg.eval.position_buckets),
+                               lambda text: loaded.tokenizer(text, add_special_tokens=False)["input_ids"])
+    result = summary_record(cfg, key, comparison, quant_report, references, evaluated, timings, loaded)
+    result["runtime"] = runtime
+    with timings.stage("write"):
+        write_analysis(results_dir, cfg, comparison, quant_report, result)
+    result["timings"].update(timings.stages)
+    atomic_write_json(results_dir / "summary.json", result)  # last: marks the results complete
+    shutil.rmtree(checkpoint, ignore_errors=True)  # the results it protected are on disk now
+    report.print_comparison(comparison, result)
+    with timings.stage("logging"):
+        _log_to_mlflow(results_dir, cfg, checked)
+    result["timings"].update(timings.stages)  # the returned summary also times the logging
+    log.info("results: %s (torch threads: %d, from %s)", results_dir, runtime["threads"], runtime["threads_from"])
+    return result
 
 
-def eval_settings(cfg: RunConfig, tokenizer_path: str | None) -> evaluate.EvalSettings:
-    return evaluate.EvalSettings(batch_size=cfg.eval.batch_size or cfg.model.batch_size, max_length=cfg.model.max_length,
-                                 device=cfg.model.device, chat_template=cfg.model.chat_template, seed=cfg.eval.seed,
-                                 tokenizer_path=tokenizer_path)
-
-
-def slice_identity(slice_: Slice) -> dict[str, Any]:
-    """Everything that determines a slice's items and prompts (files hashed by content)."""
-    files = {}
-    if slice_.directory is not None:
-        for path in sorted(slice_.directory.glob("*")):
-            if path.suffix in (".py", ".yaml", ".json", ".jsonl", ".txt"):
-                files[path.name] = file_sha256(path)[:16]
-    return {"name": slice_.name, "config": dataclasses.asdict(slice_.config), "files": files}
-
-
-def reference_key(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig) -> str:
-    settings = {"chat_template": cfg.model.chat_template, "max_length": cfg.model.max_length, "seed": cfg.eval.seed,
-                "divergence_max_tokens": cfg.eval.divergence_max_tokens, "store": cfg.eval.reference_store,
-                "topk": cfg.eval.reference_topk,
-                "lm_eval": _version("lm_eval"), "transformers": _version("transformers"), "device": cfg.model.device}
-    return stable_hash({"model": loaded.identity, "slice": slice_identity(slice_), "settings": settings}, 24)
-
-
-def _version(package: str) -> str:
-    from importlib.metadata import version
-    return version(package.replace("_", "-"))
-
-
-def run_key(cfg: RunConfig, model_identity: dict | None = None) -> str:
-    """Identity of a job's result: model, scheme, slices and settings (not tracking/paths)."""
-    data = config_dict(cfg)
-    for transient in ("tracking", "paths", "force"):
-        data.pop(transient, None)
-    return stable_hash({"config": data, "model": model_identity}, 16)
-
-
-def run_name(cfg: RunConfig) -> str:
-    return cfg.tracking.run_name or f"{cfg.model.name}/{cfg.quant.name}/{'+'.join(cfg.slices)}"
-
-
-def tokenizer_dir(loaded: models.LoadedModel, cfg: RunConfig) -> str | None:
-    path = getattr(loaded.tokenizer, "name_or_path", None)
-    return path if path and Path(path).exists() else None
-
-
-def compute_reference(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig, cache: Cache) -> SliceReference:
-    """The unquantized model's records and next-token reference for one slice, cached."""
-    key = reference_key(loaded, slice_, cfg)
-    with cache.lock("reference", key):
-        entry = cache.entry("reference", key)
-        if cache.complete("reference", key):
-            log.info("reference for slice %s: reused from cache (%s)", slice_.name, entry)
-            texts = load_reference_texts(entry / "divergence.pt", cache, loaded.key)
-            return SliceReference(pd.read_parquet(entry / "records.parquet"),
-                                  pd.read_json(entry / "aggregates.json", typ="series").to_dict(), texts, True)
-        log.info("reference for slice %s: computing (cache miss %s)", slice_.name, key)
-        settings = eval_settings(cfg, tokenizer_dir(loaded, cfg))
-        lm = evaluate.make_lm(loaded.model, loaded.tokenizer, settings)
-        checkpoint = entry.with_name(f"{key}.checkpoint")  # per-request results of an interrupted attempt
-        restored = evaluate.checkpoint_rows(checkpoint)
-        records, aggregates = evaluate.evaluate_slice(lm, slice_, settings, checkpoint=checkpoint)
-        texts = divergence_texts(slice_, cfg, settings)
-        scored = divergence.score_reference(loaded.model, loaded.tokenizer, texts,
-                                            max_tokens=max_divergence_tokens(slice_, cfg),
-                                            topk=cfg.eval.reference_topk, store=cfg.eval.reference_store)
-        with cache.writing("reference", key) as tmp:
-            records.to_parquet(tmp / "records.parquet")
-            pd.Series(aggregates, dtype=float).to_json(tmp / "aggregates.json")
-            save_reference_texts(tmp / "divergence.pt", scored, cache, loaded.key)
-        evaluate.drop_checkpoint(checkpoint)
-        return SliceReference(records, aggregates, scored, False, restored)
-
-
-def save_reference_texts(path: Path, texts: list[divergence.ReferenceText], cache: Cache, model_key: str) -> None:
-    """Save per-token references; the frozen output head is stored once per model, not per slice."""
-    head = next((t.head for t in texts if t.head is not None), None)
-    if head is not None:
-        with cache.lock("heads", model_key):
-            if not cache.complete("heads", model_key):
-                with cache.writing("heads", model_key) as tmp:
-                    torch.save(head, tmp / "head.pt")
-    torch.save([dataclasses.replace(t, head=None) for t in texts], path)
-
-
-def load_reference_texts(path: Path, cache: Cache, model_key: str) -> list[divergence.ReferenceText]:
-    texts = torch.load(path, weights_only=False)
-    if any(t.hidden is not None for t in texts):
-        head = torch.load(cache.entry("heads", model_key) / "head.pt", weights_only=False)
-        texts = [dataclasses.replace(t, head=head if t.hidden is not None else None) for t in texts]
-    return texts
-
-
-def max_divergence_tokens(slice_: Slice, cfg: RunConfig) -> int:
-    limit = slice_.config.metadata.get("divergence_max_tokens", cfg.eval.divergence_max_tokens)
-    return min(int(limit), cfg.model.max_length)
-
-
-def divergence_texts(slice_: Slice, cfg: RunConfig, settings: evaluate.EvalSettings) -> list[str]:
-    if slice_.directory is None:
-        return []
-    return slice_.divergence_texts(**slice_.metadata(cfg.eval.seed, settings.tokenizer_path, settings.max_length))
+def preflight(cfg: RunConfig) -> Preflight:
+    """Every check that costs nothing, before anything expensive (bad input fails here)."""
+    slices = resolve(cfg.slices)
+    check_hub_for_registry(slices)
+    quant.validate_scheme(cfg.quant)
+    models.check_available(cfg.model)
+    uri = tracking.resolve_uri(cfg.tracking.uri)
+    problem = tracking.check_tracking(uri) if cfg.tracking.enabled else None
+    if problem:
+        log.warning("TRACKING UNAVAILABLE: %s", problem)
+    return Preflight(slices, uri, problem)
 
 
 def prepare_results_dir(cfg: RunConfig, key: str) -> Path:
+    """results/<run name>__<key>/, created and checked writable before any evaluation."""
     root = Path(cfg.paths.results_dir)
     safe = re.sub(r"[^A-Za-z0-9_.+-]+", "_", run_name(cfg).replace("/", "__"))
     directory = root / f"{safe}__{key[:8]}"
@@ -178,93 +160,43 @@ def prepare_results_dir(cfg: RunConfig, key: str) -> Path:
         probe.write_text("ok")
         probe.unlink()
     except OSError as exc:
-        raise PermissionError(f"cannot write results to {directory} ({exc.strerror}); set paths.results_dir to a "
+        raise ResultsDirError(f"cannot write results to {directory} ({exc.strerror}); set paths.results_dir to a "
                               "writable directory") from None
     return directory
 
 
-def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
-    """Run one job; returns the summary (also written to results/<run>/summary.json)."""
-    cfg = to_config(cfg)
-    logging.getLogger("lm_eval").setLevel(logging.WARNING)  # per-request INFO lines drown the stage log
-    cfg.quant = quant.with_model_defaults(cfg.quant, cfg.model.ragged_groups)
-    cfg.tracking.tags = sweep.tags_with_sweep_id(cfg.tracking.tags)  # harness.sweep_id groups a sweep's runs
-    timings = Timings()
-    # -- checks that cost nothing, before anything expensive ------------------------------
-    slices = resolve(cfg.slices)
-    check_hub_for_registry(slices)
-    quant.validate_scheme(cfg.quant)
-    models.check_available(cfg.model)
-    uri = tracking.resolve_uri(cfg.tracking.uri)
-    tracking_problem = tracking.check_tracking(uri) if cfg.tracking.enabled else None
-    if tracking_problem:
-        log.warning("TRACKING UNAVAILABLE: %s", tracking_problem)
-    cache = Cache(cfg.paths.cache_dir)
+def evaluate_quantized(loaded: models.LoadedModel, slices: list[Slice], cfg: RunConfig,
+                       checkpoint: Path) -> Evaluated:
+    """The quantized model through lm-eval, slice by slice, resuming from ``checkpoint``."""
+    settings = eval_settings(cfg, tokenizer_dir(loaded))
+    lm = evaluate.make_lm(loaded.model, loaded.tokenizer, settings)
+    records, aggregates, restored, requests = [], {}, {}, {}
+    for slice_ in slices:
+        restored[slice_.name] = evaluate.checkpoint_rows(checkpoint / slice_.name)
+        frame, agg = evaluate.evaluate_slice(lm, slice_, settings, checkpoint=checkpoint / slice_.name)
+        requests[slice_.name] = evaluate.checkpoint_rows(checkpoint / slice_.name)
+        records.append(frame)
+        aggregates.update(agg)
+    return Evaluated(pd.concat(records, ignore_index=True), aggregates, restored, requests)
 
-    with timings.stage("load"):
-        loaded = models.load(cfg.model, cfg.paths.cache_dir)
-    quant.validate_for_model(loaded.model, cfg.quant)
-    key = run_key(cfg, loaded.identity)
-    results_dir = prepare_results_dir(cfg, key)
-    if (results_dir / "summary.json").exists() and not cfg.force:
-        log.info("finished results for this config exist in %s; reusing them (force=true recomputes)", results_dir)
-        existing = pd.read_json(results_dir / "summary.json", typ="series").to_dict()
-        _log_to_mlflow(results_dir, cfg, uri, tracking_problem)
-        return existing
-    checkpoint = results_dir / "checkpoint"  # lm-eval's per-request results: a killed job resumes from them
-    if cfg.force:
-        shutil.rmtree(checkpoint, ignore_errors=True)
 
-    references: dict[str, SliceReference] = {}
-    with timings.stage("reference"):
-        for slice_ in slices:
-            references[slice_.name] = compute_reference(loaded, slice_, cfg, cache)
-
-    with timings.stage("quantize"):
-        context = _quant_context(loaded, cfg, cache)
-        quant_report = quant.apply(loaded.model, cfg.quant, context)
-
-    settings = eval_settings(cfg, tokenizer_dir(loaded, cfg))
-    quant_records, tokens, aggregates, restored, requests = [], [], {}, {}, {}
-    with timings.stage("evaluate"):
-        lm = evaluate.make_lm(loaded.model, loaded.tokenizer, settings)
-        for slice_ in slices:
-            restored[slice_.name] = evaluate.checkpoint_rows(checkpoint / slice_.name)
-            records, agg = evaluate.evaluate_slice(lm, slice_, settings, checkpoint=checkpoint / slice_.name)
-            requests[slice_.name] = evaluate.checkpoint_rows(checkpoint / slice_.name)
-            quant_records.append(records)
-            aggregates.update(agg)
-    with timings.stage("divergence"):
-        for slice_ in slices:
-            tokens.append(divergence.compare_to_reference(loaded.model, references[slice_.name].texts, slice_.name))
-
-    comparison = summary.build(pd.concat([r.records for r in references.values()], ignore_index=True),
-                               pd.concat(quant_records, ignore_index=True), pd.concat(tokens, ignore_index=True),
-                               cfg.compare, list(cfg.eval.position_buckets),
-                               lambda text: loaded.tokenizer(text, add_special_tokens=False)["input_ids"])
+def summary_record(cfg: RunConfig, key: str, comparison: summary.Comparison, quant_report: quant.QuantReport,
+                   references: dict[str, SliceReference], evaluated: Evaluated, timings: Timings,
+                   loaded: models.LoadedModel) -> dict[str, Any]:
+    """The content of summary.json: identity, metrics, timings, quantization and bookkeeping."""
     from harness.report_quant import decode_floor_metrics
     quant_summary = {**quant_report.summary(), **decode_floor_metrics(decode_floor(quant_report, cfg))}
-    result = {
+    return {
         "run_key": key, "run_name": run_name(cfg), "model": cfg.model.name, "scheme": cfg.quant.name,
         "method": cfg.quant.method, "slices": list(cfg.slices), "metrics": comparison.metrics(),
         "timings": {**timings.stages, **{f"model_{k}": v for k, v in loaded.timings.items()}},
         "quant": quant_summary, "reference_cached": {n: r.cached for n, r in references.items()},
         "lm_eval_aggregates": {"reference": {k: v for r in references.values() for k, v in r.aggregates.items()},
-                               "quantized": aggregates},
+                               "quantized": evaluated.aggregates},
         "machine": _machine(), "tags": dict(cfg.tracking.tags), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "checkpoint": {"restored_requests": restored, "requests": requests,
+        "checkpoint": {"restored_requests": evaluated.restored, "requests": evaluated.requests,
                        "reference_restored_requests": {n: r.restored_requests for n, r in references.items()}},
     }
-    with timings.stage("write"):
-        write_results(results_dir, cfg, comparison, tokens, quant_report, result)
-        shutil.rmtree(checkpoint, ignore_errors=True)  # the results it protected are on disk now
-    report.print_comparison(comparison, result)
-    with timings.stage("logging"):
-        _log_to_mlflow(results_dir, cfg, uri, tracking_problem)
-    result["timings"].update(timings.stages)
-    atomic_write_json(results_dir / "summary.json", result)
-    log.info("results: %s", results_dir)
-    return result
 
 
 def _quant_context(loaded: models.LoadedModel, cfg: RunConfig, cache: Cache) -> Any:
@@ -273,21 +205,25 @@ def _quant_context(loaded: models.LoadedModel, cfg: RunConfig, cache: Cache) -> 
                               device=torch.device(cfg.model.device), cache=cache, scheme=cfg.quant)
 
 
-def write_results(directory: Path, cfg: RunConfig, comparison: summary.Comparison, tokens: list[pd.DataFrame],
-                  quant_report: quant.QuantReport, result: dict) -> None:
-    """Everything a later reader needs; summary.json is written last and marks completion."""
+def write_records(directory: Path, cfg: RunConfig, items: pd.DataFrame, tokens: pd.DataFrame,
+                  quant_report: quant.QuantReport) -> None:
+    """What was measured, before anything is computed from it: config, paired items, token rows, layers."""
     config = config_dict(cfg)
     atomic_write_json(directory / "config.json", config)
     atomic_write_text(directory / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(config)))
-    _write_parquet(comparison.items, directory / "items.parquet")
+    _write_parquet(items, directory / "items.parquet")
+    _write_parquet(tokens, directory / "tokens.parquet")
+    _write_parquet(pd.DataFrame(quant_report.to_records()), directory / "quant_layers.parquet")
+
+
+def write_analysis(directory: Path, cfg: RunConfig, comparison: summary.Comparison, quant_report: quant.QuantReport,
+                   result: dict) -> None:
+    """The statistics and reports; summary.json, which marks completion, is written last by the caller."""
     _write_parquet(comparison.item_stats, directory / "item_stats.parquet")
-    _write_parquet(pd.concat(tokens, ignore_index=True), directory / "tokens.parquet")
     _write_parquet(comparison.token_stats, directory / "token_stats.parquet")
     _write_parquet(comparison.generation, directory / "generation.parquet")
-    _write_parquet(pd.DataFrame(quant_report.to_records()), directory / "quant_layers.parquet")
     decode_floor(quant_report, cfg).to_csv(directory / "decode_floor.csv", index=False)
     atomic_write_text(directory / "report.md", report.markdown(comparison, result))
-    atomic_write_json(directory / "summary.json", result)
 
 
 def decode_floor(quant_report: quant.QuantReport, cfg: RunConfig) -> pd.DataFrame:
@@ -302,16 +238,17 @@ def _write_parquet(frame: pd.DataFrame, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _log_to_mlflow(results_dir: Path, cfg: RunConfig, uri: str, problem: str | None) -> None:
+def _log_to_mlflow(results_dir: Path, cfg: RunConfig, checked: Preflight) -> None:
     if not cfg.tracking.enabled:
         return
-    if problem:
-        log.warning("not logged to MLflow (%s). Later: python -m harness.sync %s", problem, results_dir)
+    if checked.tracking_problem:
+        log.warning("not logged to MLflow (%s). Later: python -m harness.sync %s", checked.tracking_problem,
+                    results_dir)
         return
     try:
-        run_id = tracking.log_results(results_dir, uri=uri, experiment=cfg.tracking.experiment,
+        run_id = tracking.log_results(results_dir, uri=checked.uri, experiment=cfg.tracking.experiment,
                                       tags=cfg.tracking.tags)
-        log.info("MLflow run %s in %s (experiment %s)", run_id, uri, cfg.tracking.experiment)
+        log.info("MLflow run %s in %s (experiment %s)", run_id, checked.uri, cfg.tracking.experiment)
     except Exception as exc:  # tracking must never lose a finished result
         log.warning("MLflow logging failed (%s: %s); results are safe in %s. Later: python -m harness.sync %s",
                     type(exc).__name__, exc, results_dir, results_dir)

@@ -6,7 +6,7 @@ KL(ref‖quant) it causes on the divergence texts against a reference scored onc
 unit's parameters and module classes back exactly (bitwise) before the next one. The KV cache
 is not part of a unit (it is not a layer's weights): KV settings are ignored here.
 
-``python -m harness.sensitivity model=... quant=... slices=... [--granularity block|linear] [--texts 8]``
+``python -m harness.sensitivity model=... quant=... slices=... [granularity=block|linear] [texts=8] [out=DIR]``
 writes ``sensitivity.csv`` (unit, linears, kl_mean, kl_max, top1_agree, ppl_ratio; most damaging
 first), ``sensitivity.png`` (KL per unit in model order) and ``summary.json`` under
 ``<paths.results_dir>/sensitivity/<model>__<scheme>/``, and logs them to MLflow as artifacts of
@@ -14,22 +14,21 @@ a run tagged ``harness.kind=sensitivity``.
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import logging
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 import pandas as pd
 import torch
 from torch import nn
 
-from harness import divergence, quant
+from harness import cli, divergence, quant
 from harness.cache import atomic_write_json
 from harness.config import QuantConfig, RunConfig
 from harness.quant.base import target_linears
@@ -184,17 +183,17 @@ class SensitivityResult:
 
 def reference_texts(loaded: Any, cfg: RunConfig, n_texts: int) -> list[divergence.ReferenceText]:
     """The reference pass over the selected slices' divergence texts (``n_texts`` in all, spread over slices)."""
-    from harness import run as pipeline
+    from harness import identity
     from harness.slices import resolve
 
     slices = resolve(cfg.slices)
-    settings = pipeline.eval_settings(cfg, pipeline.tokenizer_dir(loaded, cfg))
+    settings = identity.eval_settings(cfg, identity.tokenizer_dir(loaded))
     per_slice = max(1, math.ceil(n_texts / len(slices)))
     scored: list[divergence.ReferenceText] = []
     for slice_ in slices:
-        texts = pipeline.divergence_texts(slice_, cfg, settings)[:per_slice]
+        texts = identity.divergence_texts(slice_, cfg, settings)[:per_slice]
         scored += divergence.score_reference(loaded.model, loaded.tokenizer, texts,
-                                             max_tokens=pipeline.max_divergence_tokens(slice_, cfg))
+                                             max_tokens=identity.max_divergence_tokens(slice_, cfg))
     if not scored:
         raise ValueError(f"the slices {list(cfg.slices)} give no divergence texts; pick an offline slice (slices=math)")
     return scored[:n_texts]
@@ -260,26 +259,34 @@ def _log_to_mlflow(directory: Path, cfg: RunConfig, summary: dict[str, Any]) -> 
         log.warning("sensitivity MLflow logging failed (%s: %s); results are in %s", type(exc).__name__, exc, directory)
 
 
-def main(argv: list[str] | None = None) -> SensitivityResult:
-    from harness.report_quant import split_cli
+@dataclass
+class SensitivityOptions:
+    granularity: str = field(default="block", metadata={"help": "unit quantized alone: block | linear"})
+    texts: int = field(default=8, metadata={"help": "divergence texts scored per unit"})
+    out: Optional[str] = field(default=None, metadata={"help": "output directory (None: "
+                                                               "<paths.results_dir>/sensitivity/<model>__<scheme>)"})
 
-    parser = argparse.ArgumentParser(prog="python -m harness.sensitivity",
-                                     description="KL caused by quantizing one layer or block at a time. Other "
-                                                 "arguments are Hydra overrides (model=... quant=... slices=...).")
-    parser.add_argument("--granularity", choices=["block", "linear"], default="block")
-    parser.add_argument("--texts", type=int, default=8, help="divergence texts scored per unit (default 8)")
-    parser.add_argument("--out", type=Path, default=None, help="output directory (default results/sensitivity/...)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (1 is much faster than 2 on a machine whose cores are busy)")
-    options, cfg = split_cli(list(sys.argv[1:] if argv is None else argv), parser)
-    if options.threads:
-        torch.set_num_threads(options.threads)
-    result = run_sensitivity(cfg, options.granularity, options.texts, options.out)
+
+TOOL = cli.Tool(prog="python -m harness.sensitivity", options=SensitivityOptions, run_config=True,
+                summary="KL(ref||quant) caused by quantizing one decoder block or linear at a time with the scheme "
+                        "(model=... quant=... slices=...); most damaging first.")
+
+
+def _sensitivity(parsed: cli.Parsed[SensitivityOptions]) -> None:
+    options = parsed.options
+    if options.granularity not in ("block", "linear"):
+        raise cli.UsageError(f"granularity={options.granularity!r}: use granularity=block or granularity=linear")
+    if options.texts < 1:
+        raise cli.UsageError(f"texts={options.texts}: score at least one divergence text (texts=8)")
+    result = run_sensitivity(parsed.run, options.granularity, options.texts,  # type: ignore[arg-type]
+                             Path(options.out) if options.out else None)
     print(result.table.to_markdown(index=False, floatfmt=".4g"))
     print(json.dumps({k: v for k, v in result.summary.items() if k != "most_damaging"}, indent=1))
-    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.main(TOOL, _sensitivity, argv)
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    main()
+    sys.exit(main())

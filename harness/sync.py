@@ -1,4 +1,4 @@
-"""``python -m harness.sync <results dir or results root> ... [--uri URI] [--experiment NAME]``
+"""``python -m harness.sync <results dir or results root> ... [uri=URI] [experiment=NAME]``
 
 Logs finished results to MLflow after the fact: a job whose tracking server was unreachable
 finishes anyway, keeps everything in ``results/<run>/`` and prints this command. Each finished
@@ -8,20 +8,19 @@ the same sweep) is found by its ``harness.run_key`` tag and not logged twice. Di
 jobs that never finished (no ``summary.json``) are listed and skipped.
 
 By default each directory goes to the tracking URI and experiment saved in its own
-``config.json`` (the ones the job meant to use); ``--uri``/``--experiment`` override them, e.g.
-when the server moved.
+``config.json`` (the ones the job meant to use); ``uri=``/``experiment=`` override them, e.g.
+when the server moved. The command line follows :mod:`harness.cli`.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
-from harness import tracking
+from harness import cli, tracking
 
 log = logging.getLogger("harness.sync")
 
@@ -86,22 +85,31 @@ def sync(paths: Sequence[str | Path], *, uri: str | None = None, experiment: str
     return logged
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harness.sync", description=__doc__.split("\n\n")[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("paths", nargs="+", help="results directories (results/<run>) or results roots (results/)")
-    parser.add_argument("--uri", help="MLflow tracking URI (default: each run's saved tracking.uri, "
-                                      "else $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
-    parser.add_argument("--experiment", help="MLflow experiment (default: each run's saved tracking.experiment)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
-    try:
-        logged = sync(args.paths, uri=args.uri, experiment=args.experiment)
-    except (FileNotFoundError, tracking.TrackingError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+@dataclass
+class SyncOptions:
+    paths: list[str] = field(default_factory=list,
+                             metadata={"help": "results directories (results/<run>) or results roots (results/)"})
+    uri: Optional[str] = field(default=None, metadata={"help": "MLflow tracking URI (None: each run's saved "
+                                                               "tracking.uri, else $MLFLOW_TRACKING_URI, else "
+                                                               "sqlite:///mlflow.db)"})
+    experiment: Optional[str] = field(default=None, metadata={"help": "MLflow experiment (None: each run's saved "
+                                                                      "tracking.experiment)"})
+
+
+TOOL = cli.Tool(prog="python -m harness.sync", options=SyncOptions, positional="paths",
+                summary=__doc__.split("\n\n")[1])
+
+
+def _sync(parsed: cli.Parsed[SyncOptions]) -> None:
+    options = parsed.options
+    if not options.paths:
+        raise cli.UsageError("no results directory given; e.g. python -m harness.sync results/")
+    logged = sync(options.paths, uri=options.uri, experiment=options.experiment)
     print(f"{len(logged)} finished result(s) in MLflow")
-    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return cli.main(TOOL, _sync, argv)
 
 
 if __name__ == "__main__":

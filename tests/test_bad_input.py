@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import models, run as run_mod
+from harness import identity, models, run as run_mod
 from harness.config import SliceConfig, load_model_config
 from harness.quant import SchemeError
 from harness.slices import SliceError
@@ -53,7 +53,7 @@ def test_group_size_that_does_not_divide_is_refused_before_evaluation(make_cfg, 
 def test_unknown_slice_names_the_offline_slices(make_cfg, tmp_path):
     out = _cli("slices=[nope]", "--cfg", "job", cwd=tmp_path)
     assert out.returncode != 0 and "unknown slices option(s) ['nope']" in out.stderr and "math" in out.stderr
-    cfg = run_mod.to_config(make_cfg(*TINY_MATH))
+    cfg = identity.to_config(make_cfg(*TINY_MATH))
     cfg.slices["nope"] = SliceConfig(tasks=["x"], size="quick")  # configured, but no generator on disk
     with pytest.raises(SliceError, match="offline slices"):
         run_mod.run(cfg)
@@ -101,3 +101,44 @@ def test_unreachable_tracking_server_keeps_results_on_disk(make_cfg, tmp_path, c
     assert (directory / "summary.json").exists() and (directory / "items.parquet").exists()
     assert result["metrics"]["math/kl_mean"] >= 0
     assert any("harness.sync" in r.getMessage() for r in caplog.records)
+
+
+def test_sync_command_line_errors_are_one_line(tmp_path, capsys):
+    from harness import sync
+
+    assert sync.main([]) == 2
+    assert capsys.readouterr().err.strip() == "error: no results directory given; e.g. python -m harness.sync results/"
+    assert sync.main([str(tmp_path), "--uri", "http://x"]) == 2
+    assert "unknown flag '--uri'" in capsys.readouterr().err
+    assert sync.main([str(tmp_path), "experimnt=x"]) == 2
+    assert "unknown option 'experimnt'; python -m harness.sync options: experiment, paths, uri" in capsys.readouterr().err
+    assert sync.main([str(tmp_path)]) == 2  # an empty directory holds no results
+    assert capsys.readouterr().err.startswith(f"error: no results directories in {tmp_path}")
+    assert sync.main(["--help"]) == 0
+    assert "uri=None" in capsys.readouterr().out
+
+
+def test_a_user_fixable_error_of_the_job_is_one_line_without_traceback(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "harness", "model=llama8b", "model.device=cpu",
+                          "tracking.enabled=false", f"paths.results_dir={tmp_path / 'results'}"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", "HYDRA_FULL_ERROR": "0", "PYTHONPATH": str(REPO)})
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr and "Error executing job" not in out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Llama-3.1-8B-Instruct" in errors[0] and "model.path" in errors[0]
+
+
+def test_a_real_bug_keeps_its_traceback(tmp_path):
+    program = ("import runpy, sys\n"
+               "import harness.run\n"
+               "def broken(cfg):\n"
+               "    raise RuntimeError('a bug, not the user')\n"
+               "harness.run.run = broken\n"
+               "sys.argv = ['harness', 'model=tiny_random', 'tracking.enabled=false']\n"
+               "runpy.run_module('harness', run_name='__main__', alter_sys=True)\n")
+    out = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HYDRA_FULL_ERROR": "0", "PYTHONPATH": str(REPO)})
+    assert out.returncode != 0
+    assert "Traceback" in out.stderr and "RuntimeError: a bug, not the user" in out.stderr
+    assert not any(line.startswith("error: ") for line in out.stderr.splitlines())

@@ -1,13 +1,15 @@
 """The whole pipeline on the tiny random model: config → quantize → evaluate → compare → MLflow."""
 from __future__ import annotations
 
+import copy
 import json
 
 import mlflow
 import pandas as pd
 import pytest
+import torch
 
-from harness import run as run_mod
+from harness import identity, run as run_mod
 from tests.conftest import TINY_MATH
 
 
@@ -50,6 +52,43 @@ def test_int4_run_writes_results_and_logs_mlflow(make_cfg, tmp_path):
     assert run.data.params["quant.weights.group_size"] == "128"
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"items.parquet", "summary.json", "config.yaml"} <= artifacts
+
+
+def test_run_leaves_the_callers_config_as_given_and_writes_summary_once(make_cfg, tmp_path, monkeypatch):
+    cfg = identity.to_config(make_cfg(*TINY_MATH, "quant=int4_g128", "tracking.tags.sweep_id=night-1",
+                                      "tracking.enabled=false", "runtime.threads=1"))
+    given = copy.deepcopy(cfg)
+    assert given.quant.weights.ragged_groups is None  # the job fills it from the model's default
+    writes: list[str] = []
+    original = run_mod.atomic_write_json
+    monkeypatch.setattr(run_mod, "atomic_write_json", lambda path, data: (writes.append(path.name), original(path, data)))
+    result = run_mod.run(cfg)
+    assert cfg == given
+    assert result["tags"] == {"harness.sweep_id": "night-1"}
+    assert writes.count("summary.json") == 1 and writes[-1] == "summary.json"
+    on_disk = json.loads((next((tmp_path / "results").glob("*")) / "summary.json").read_text())
+    assert on_disk["metrics"] == result["metrics"] and "write" in on_disk["timings"]
+    assert on_disk["runtime"] == {"threads": 1, "threads_from": "runtime.threads"} and torch.get_num_threads() == 1
+
+
+def test_records_are_on_disk_before_statistics_fail(make_cfg, tmp_path, monkeypatch):
+    from harness import stats
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("cluster-robust SE is 0")
+
+    monkeypatch.setattr(stats, "compare_frame", broken)
+    with pytest.raises(ZeroDivisionError):
+        run_mod.run(make_cfg(*TINY_MATH, "quant=int8", "tracking.enabled=false"))
+    directory = next((tmp_path / "results").glob("*"))
+    items = pd.read_parquet(directory / "items.parquet")
+    assert len(items) == 36 and items["item_id"].is_unique  # both tasks' items, both models' answers
+    assert {"correct_ref", "correct_quant", "response_ref", "response_quant"} <= set(items.columns)
+    tokens = pd.read_parquet(directory / "tokens.parquet")
+    assert len(tokens) > 0 and (tokens["kl"] >= 0).all()
+    assert (directory / "config.json").exists() and (directory / "quant_layers.parquet").exists()
+    assert not (directory / "summary.json").exists()  # not finished: a rerun computes the statistics
+    assert (directory / "checkpoint").exists()  # ... from the kept lm-eval checkpoint, without re-evaluating
 
 
 def test_second_scheme_reuses_the_reference(make_cfg, tmp_path, caplog):

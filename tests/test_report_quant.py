@@ -74,8 +74,8 @@ def test_cli_on_tiny_model_writes_tables_with_correct_sqnr(tmp_path, cache_dir):
     from omegaconf import OmegaConf
 
     out = tmp_path / "report"
-    tables = main(["model=tiny_random", "quant=int8", f"paths.cache_dir={cache_dir}", "--gpus", "H100,B200",
-                   "--out", str(out)])
+    assert main(["model=tiny_random", "quant=int8", f"paths.cache_dir={cache_dir}", "gpus=H100,B200",
+                 f"out={out}"]) == 0
     for name in ("report.md", "layers.csv", "decode_floor.csv"):
         assert (out / name).exists()
     layers = pd.read_csv(out / "layers.csv")
@@ -91,5 +91,23 @@ def test_cli_on_tiny_model_writes_tables_with_correct_sqnr(tmp_path, cache_dir):
     assert measured == pytest.approx(expected, abs=0.01)
     floor = pd.read_csv(out / "decode_floor.csv")
     assert {"ms_per_token_H100", "ms_per_token_B200"} <= set(floor.columns)
-    assert tables.summary["layers_quantized"] == 14 and "lm_head" in tables.summary["kept"]
-    assert "41.79" in (out / "report.md").read_text()  # the 70B BF16 row on an H100
+    text = (out / "report.md").read_text()
+    assert "- quantized linears: 14 (" in text and "kept in high precision: lm_head" in text
+    assert "41.79" in text  # the 70B BF16 row on an H100
+
+
+def test_cli_typos_fail_at_start_in_one_line(tmp_path, capsys, monkeypatch):
+    from harness import report_quant
+
+    monkeypatch.setattr(report_quant, "report_quant", lambda *a, **k: pytest.fail("work started"))
+    assert main(["model=tiny_random", "gpus=H900"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: gpus=H900: unknown GPU 'H900'; known A100, B200, H100, H200, "
+                                               "MI300X, or give NAME=TB/s")
+    assert main(["model=tiny_random", "--gpus", "H100"]) == 2
+    assert "unknown flag '--gpus'" in capsys.readouterr().err
+    assert main(["model=tiny_random", "gpu=H100"]) == 2  # not an option, not a run-config key
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "gpu" in err and len(err.strip().splitlines()) == 1
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "gpus=H100,H200,B200" in out and "out=None" in out and "quant=" in out

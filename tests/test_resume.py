@@ -21,7 +21,7 @@ import pandas as pd
 import pytest
 
 from harness import evaluate, models
-from harness import run as run_mod
+from harness import identity
 from harness.slices import resolve
 from tests.test_sweeps import TINY, harness_command, job_env, mlflow_runs, paths, run_harness, sqlite_uri
 
@@ -67,10 +67,10 @@ def kill_when_checkpointed(args: list[str], cwd: Path, find_db: Callable[[], lis
 
 
 def test_checkpoint_replays_stored_requests_and_computes_only_the_rest(make_cfg, tmp_path):
-    cfg = run_mod.to_config(make_cfg(*TINY, "quant=none", "eval.batch_size=1"))
+    cfg = identity.to_config(make_cfg(*TINY, "quant=none", "eval.batch_size=1"))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)
     slice_ = resolve(cfg.slices)[0]
-    settings = run_mod.eval_settings(cfg, None)
+    settings = identity.eval_settings(cfg, None)
     prefix = tmp_path / "checkpoint" / "math"
     first, _ = evaluate.evaluate_slice(evaluate.make_lm(loaded.model, loaded.tokenizer, settings), slice_, settings,
                                        checkpoint=prefix)
@@ -96,10 +96,10 @@ def test_checkpoint_replays_stored_requests_and_computes_only_the_rest(make_cfg,
 
 
 def test_an_lm_without_checkpoint_does_not_write_into_a_previous_one(make_cfg, tmp_path):
-    cfg = run_mod.to_config(make_cfg(*TINY, "quant=none"))
+    cfg = identity.to_config(make_cfg(*TINY, "quant=none"))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)
     slice_ = resolve(cfg.slices)[0]
-    settings = run_mod.eval_settings(cfg, None)
+    settings = identity.eval_settings(cfg, None)
     lm = evaluate.make_lm(loaded.model, loaded.tokenizer, settings)
     prefix = tmp_path / "checkpoint" / "math"
     evaluate.evaluate_slice(lm, slice_, settings, checkpoint=prefix)

@@ -1,6 +1,8 @@
 """Layer sensitivity on tiny models: ranking, a planted damaging layer, bitwise restoration, the CLI + MLflow."""
 from __future__ import annotations
 
+import json
+
 import mlflow
 import pandas as pd
 import pytest
@@ -132,15 +134,29 @@ def test_cli_writes_csv_png_and_logs_an_mlflow_run(tmp_path, cache_dir):
 
     out = tmp_path / "sens"
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    result = main(["model=tiny_random", "quant=int4", "slices=[math]", f"paths.cache_dir={cache_dir}",
-                   f"tracking.uri={uri}", "--texts", "2", "--out", str(out)])
+    assert main(["model=tiny_random", "quant=int4", "slices=[math]", f"paths.cache_dir={cache_dir}",
+                 f"tracking.uri={uri}", "texts=2", f"out={out}"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
     table = pd.read_csv(out / "sensitivity.csv")
     assert list(table.columns) == ["unit", "linears", "kl_mean", "kl_max", "top1_agree", "ppl_ratio"]
     assert len(table) == 2 and (out / "sensitivity.png").stat().st_size > 1000
-    assert result.summary["texts"] == 2 and result.summary["all_layers"]["kl_mean"] > 0
+    assert summary["texts"] == 2 and summary["all_layers"]["kl_mean"] > 0
     client = mlflow.tracking.MlflowClient(tracking_uri=uri)
     runs = client.search_runs([client.get_experiment_by_name("quant-harness").experiment_id],
                               filter_string=f"tags.`{KIND_TAG}` = 'sensitivity'")
     assert len(runs) == 1
     artifacts = {a.path for a in client.list_artifacts(runs[0].info.run_id)}
     assert {"sensitivity.csv", "sensitivity.png", "summary.json"} <= artifacts
+
+
+def test_cli_refuses_a_bad_granularity_before_loading_anything(capsys, monkeypatch):
+    from harness import sensitivity
+
+    monkeypatch.setattr(sensitivity, "run_sensitivity", lambda *a, **k: pytest.fail("work started"))
+    assert sensitivity.main(["model=tiny_random", "granularity=layer"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: granularity='layer': use granularity=block or "
+                                               "granularity=linear")
+    assert sensitivity.main(["model=tiny_random", "--texts", "2"]) == 2
+    assert "unknown flag '--texts'" in capsys.readouterr().err
+    assert sensitivity.main(["-h"]) == 0
+    assert "granularity=block" in capsys.readouterr().out

@@ -178,12 +178,12 @@ def test_scorer(response: str, answers: list[str], distractors: list[str], expec
 def test_lm_eval_run_on_tiny_model() -> None:
     """The slice's tasks load in lm-eval and yield one record per item with its sub-slice and cluster."""
     from harness import evaluate, models
-    from harness.run import eval_settings, to_config, tokenizer_dir as model_tokenizer_dir
+    from harness.identity import eval_settings, to_config, tokenizer_dir as model_tokenizer_dir
 
     cfg = to_config(compose(["model=tiny_random", "model.max_length=1024", "slices=[long_context]",
                              "slices.long_context.n_items=3", "eval.batch_size=4"]))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)
-    settings = eval_settings(cfg, model_tokenizer_dir(loaded, cfg))
+    settings = eval_settings(cfg, model_tokenizer_dir(loaded))
     (slice_,) = resolve(cfg.slices)
     records, aggregates = evaluate.evaluate_slice(evaluate.make_lm(loaded.model, loaded.tokenizer, settings),
                                                   slice_, settings)

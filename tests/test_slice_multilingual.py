@@ -155,13 +155,13 @@ def test_lm_eval_run_on_tiny_model() -> None:
     """Both tasks load in lm-eval and yield one record per item with language sub-slices
     (three languages of three scripts, selected through the slice's metadata, to stay fast)."""
     from harness import evaluate, models
-    from harness.run import eval_settings, to_config, tokenizer_dir
+    from harness.identity import eval_settings, to_config, tokenizer_dir
 
     languages = {"en": "Latn", "ar": "Arab", "zh": "Hans"}
     cfg = to_config(compose(["model=tiny_random", "slices=[multilingual]", "slices.multilingual.n_items=1",
                              f"+slices.multilingual.metadata.languages=[{','.join(languages)}]"]))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)
-    settings = eval_settings(cfg, tokenizer_dir(loaded, cfg))
+    settings = eval_settings(cfg, tokenizer_dir(loaded))
     (slice_,) = resolve(cfg.slices)
     records, aggregates = evaluate.evaluate_slice(evaluate.make_lm(loaded.model, loaded.tokenizer, settings),
                                                   slice_, settings)

@@ -255,5 +255,20 @@ def test_plan_measures_throughput_and_skips_finished_work(make_cfg, tmp_path, ca
     [rate] = plan.throughput.values()
     assert rate.prefill_tokens_per_s > 0 and rate.decode_tokens_per_s > 0
     assert plan.jobs[1].estimated_s > rate.load_s
-    assert plan_mod.main(["-m", *overrides, "--tokens-per-s", "500"]) == 0
+    assert plan_mod.main(["-m", *overrides, "tokens_per_s=500"]) == 0
     assert "Sweep plan: 2 job(s), 1 reference(s)" in capsys.readouterr().out
+
+
+def test_plan_command_line_typos_fail_before_any_work(capsys, monkeypatch):
+    from harness import plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "plan_sweep", lambda *a, **k: pytest.fail("work started"))
+    assert plan_mod.main(["-m", "quant=int8", "--tokens-per-s", "500"]) == 2
+    assert "unknown flag '--tokens-per-s'" in capsys.readouterr().err
+    assert plan_mod.main(["-m", "quant=int8,int5"]) == 2
+    assert "unknown quant option(s) ['int5']" in capsys.readouterr().err
+    assert plan_mod.main(["tokens_per_s=-3"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: tokens_per_s=-3.0: give a positive rate, or leave it unset "
+                                               "to measure it here")
+    assert plan_mod.main(["--help"]) == 0
+    assert "tokens_per_s=None" in capsys.readouterr().out

@@ -1,0 +1,98 @@
+"""What a job and its cached pieces *are*: the keys that decide what is reused and what is recomputed.
+
+A finished job is found again by :func:`run_key` (model, scheme, slices and settings; not where
+its outputs go or how many threads ran it), a slice's reference by :func:`reference_key` (model,
+slice content, the settings that change the reference's numbers, library versions). The
+evaluation settings and divergence texts of a slice are derived here too, so that the pipeline,
+the sweep planner, the sensitivity tool and the benchmarks build them one way.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from harness import evaluate, models
+from harness.cache import file_sha256, stable_hash
+from harness.config import RunConfig
+from harness.slices import Slice
+
+# Config sections that say where results go or how a job runs, not what it computes.
+TRANSIENT_SECTIONS = ("tracking", "paths", "force", "runtime")
+
+
+def to_config(cfg: DictConfig | RunConfig) -> RunConfig:
+    """The typed run config of a composed DictConfig (a RunConfig is returned as is)."""
+    if isinstance(cfg, RunConfig):
+        return cfg
+    return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+
+
+def config_dict(cfg: RunConfig) -> dict:
+    """The run config as plain, resolved data (what config.json holds)."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
+
+
+def eval_settings(cfg: RunConfig, tokenizer_path: str | None) -> evaluate.EvalSettings:
+    """The lm-eval settings of a job (batch size falls back to the model's)."""
+    return evaluate.EvalSettings(batch_size=cfg.eval.batch_size or cfg.model.batch_size, max_length=cfg.model.max_length,
+                                 device=cfg.model.device, chat_template=cfg.model.chat_template, seed=cfg.eval.seed,
+                                 tokenizer_path=tokenizer_path)
+
+
+def tokenizer_dir(loaded: models.LoadedModel) -> str | None:
+    """The loaded tokenizer's local directory (slices that count tokens load it), or None."""
+    path = getattr(loaded.tokenizer, "name_or_path", None)
+    return path if path and Path(path).exists() else None
+
+
+def slice_identity(slice_: Slice) -> dict[str, Any]:
+    """Everything that determines a slice's items and prompts (files hashed by content)."""
+    files = {}
+    if slice_.directory is not None:
+        for path in sorted(slice_.directory.glob("*")):
+            if path.suffix in (".py", ".yaml", ".json", ".jsonl", ".txt"):
+                files[path.name] = file_sha256(path)[:16]
+    return {"name": slice_.name, "config": dataclasses.asdict(slice_.config), "files": files}
+
+
+def reference_key(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig) -> str:
+    """Cache key of one slice's reference: the model, the slice's content and the settings that change it."""
+    settings = {"chat_template": cfg.model.chat_template, "max_length": cfg.model.max_length, "seed": cfg.eval.seed,
+                "divergence_max_tokens": cfg.eval.divergence_max_tokens, "store": cfg.eval.reference_store,
+                "topk": cfg.eval.reference_topk,
+                "lm_eval": _version("lm_eval"), "transformers": _version("transformers"), "device": cfg.model.device}
+    return stable_hash({"model": loaded.identity, "slice": slice_identity(slice_), "settings": settings}, 24)
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+    return version(package.replace("_", "-"))
+
+
+def run_key(cfg: RunConfig, model_identity: dict | None = None) -> str:
+    """Identity of a job's result: model, scheme, slices and settings (not tracking/paths/runtime)."""
+    data = config_dict(cfg)
+    for transient in TRANSIENT_SECTIONS:
+        data.pop(transient, None)
+    return stable_hash({"config": data, "model": model_identity}, 16)
+
+
+def run_name(cfg: RunConfig) -> str:
+    """The run's display name: tracking.run_name, else <model>/<scheme>/<slices>."""
+    return cfg.tracking.run_name or f"{cfg.model.name}/{cfg.quant.name}/{'+'.join(cfg.slices)}"
+
+
+def max_divergence_tokens(slice_: Slice, cfg: RunConfig) -> int:
+    """Tokens of each divergence text scored: the slice's own limit, else eval's, within the context."""
+    limit = slice_.config.metadata.get("divergence_max_tokens", cfg.eval.divergence_max_tokens)
+    return min(int(limit), cfg.model.max_length)
+
+
+def divergence_texts(slice_: Slice, cfg: RunConfig, settings: evaluate.EvalSettings) -> list[str]:
+    """The gold texts scored for KL / PPL on ``slice_`` (none for registry slices)."""
+    if slice_.directory is None:
+        return []
+    return slice_.divergence_texts(**slice_.metadata(cfg.eval.seed, settings.tokenizer_path, settings.max_length))

@@ -1,0 +1,83 @@
+"""The reference stage: the unquantized model's per-item records and next-token distributions.
+
+Computed once per (model, slice, settings) and cached by :func:`harness.identity.reference_key`,
+so every scheme of a sweep compares against the same reference. An interrupted computation
+resumes from lm-eval's per-request checkpoint next to the cache entry.
+
+(Not ``harness/reference.py``: a submodule of that name would shadow the public API's
+``harness.reference`` function once imported.)
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from harness import divergence, evaluate, models
+from harness.cache import Cache
+from harness.config import RunConfig
+from harness.identity import divergence_texts, eval_settings, max_divergence_tokens, reference_key, tokenizer_dir
+from harness.slices import Slice
+
+log = logging.getLogger("harness")
+
+
+@dataclass
+class SliceReference:
+    records: pd.DataFrame
+    aggregates: dict[str, float]
+    texts: list[divergence.ReferenceText]
+    cached: bool
+    restored_requests: int = 0  # requests read back from an interrupted attempt's checkpoint
+
+
+def compute_reference(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig, cache: Cache) -> SliceReference:
+    """The unquantized model's records and next-token reference for one slice, cached."""
+    key = reference_key(loaded, slice_, cfg)
+    with cache.lock("reference", key):
+        entry = cache.entry("reference", key)
+        if cache.complete("reference", key):
+            log.info("reference for slice %s: reused from cache (%s)", slice_.name, entry)
+            texts = load_reference_texts(entry / "divergence.pt", cache, loaded.key)
+            return SliceReference(pd.read_parquet(entry / "records.parquet"),
+                                  pd.read_json(entry / "aggregates.json", typ="series").to_dict(), texts, True)
+        log.info("reference for slice %s: computing (cache miss %s)", slice_.name, key)
+        settings = eval_settings(cfg, tokenizer_dir(loaded))
+        lm = evaluate.make_lm(loaded.model, loaded.tokenizer, settings)
+        checkpoint = entry.with_name(f"{key}.checkpoint")  # per-request results of an interrupted attempt
+        restored = evaluate.checkpoint_rows(checkpoint)
+        records, aggregates = evaluate.evaluate_slice(lm, slice_, settings, checkpoint=checkpoint)
+        texts = divergence_texts(slice_, cfg, settings)
+        scored = divergence.score_reference(loaded.model, loaded.tokenizer, texts,
+                                            max_tokens=max_divergence_tokens(slice_, cfg),
+                                            topk=cfg.eval.reference_topk, store=cfg.eval.reference_store)
+        with cache.writing("reference", key) as tmp:
+            records.to_parquet(tmp / "records.parquet")
+            pd.Series(aggregates, dtype=float).to_json(tmp / "aggregates.json")
+            save_reference_texts(tmp / "divergence.pt", scored, cache, loaded.key)
+        evaluate.drop_checkpoint(checkpoint)
+        return SliceReference(records, aggregates, scored, False, restored)
+
+
+def save_reference_texts(path: Path, texts: list[divergence.ReferenceText], cache: Cache, model_key: str) -> None:
+    """Save per-token references; the frozen output head is stored once per model, not per slice."""
+    head = next((t.head for t in texts if t.head is not None), None)
+    if head is not None:
+        with cache.lock("heads", model_key):
+            if not cache.complete("heads", model_key):
+                with cache.writing("heads", model_key) as tmp:
+                    torch.save(head, tmp / "head.pt")
+    torch.save([dataclasses.replace(t, head=None) for t in texts], path)
+
+
+def load_reference_texts(path: Path, cache: Cache, model_key: str) -> list[divergence.ReferenceText]:
+    """Per-token references saved by :func:`save_reference_texts`, with the model's head put back."""
+    texts = torch.load(path, weights_only=False)
+    if any(t.hidden is not None for t in texts):
+        head = torch.load(cache.entry("heads", model_key) / "head.pt", weights_only=False)
+        texts = [dataclasses.replace(t, head=head if t.hidden is not None else None) for t in texts]
+    return texts

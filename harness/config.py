@@ -149,6 +149,9 @@ class SliceConfig:
     num_fewshot: Optional[int] = None  # None: the task YAML's own setting
     limit: Optional[int] = None  # lm-eval limit per task (registry tasks)
     divergence_texts: int = 16  # gold texts scored for KL / PPL
+    # Score KL / PPL along the reference's own replies (prompt + reference generation) instead of the
+    # gold texts: the long-generation slice's view of error growing with length.
+    divergence_from_reference: bool = False
     metadata: dict[str, Any] = field(default_factory=dict)  # passed to the item generator
 
 

@@ -82,6 +82,19 @@ class CandidateScheme:
         return {f"candidate.{k}": v for k, v in values.items() if v is not None}
 
 
+def requested(cfg: CandidateConfig, scheme_name: str) -> bool:
+    """Whether the job evaluates an external checkpoint; a contradictory config is refused."""
+    from harness.cli import UsageError
+
+    if cfg.path and scheme_name not in ("external", "none"):
+        raise UsageError(f"candidate.path={cfg.path} is an external checkpoint, so the harness does not quantize "
+                         f"anything itself; use quant=external (got quant={scheme_name})")
+    if scheme_name == "external" and not cfg.path:
+        raise UsageError("quant=external evaluates an external checkpoint: set candidate.path=<hub id or directory> "
+                         "(and candidate.gguf_file=<file> for a GGUF)")
+    return bool(cfg.path)
+
+
 def candidate_name(cfg: CandidateConfig) -> str:
     if cfg.name:
         return cfg.name

@@ -91,6 +91,25 @@ def max_divergence_tokens(slice_: Slice, cfg: RunConfig) -> int:
     return min(int(limit), cfg.model.max_length)
 
 
+def continuation_texts(slice_: Slice, cfg: RunConfig, settings: evaluate.EvalSettings, records: Any,
+                       tokenizer: Any) -> list[str]:
+    """Prompts followed by the reference's own replies, as the model saw them (chat template applied).
+
+    For slices with ``divergence_from_reference``: the candidate is then teacher-forced along the
+    reference's continuation, so KL by position shows whether its error grows with length.
+    """
+    items = {item["id"]: item for item in slice_.items(**slice_.metadata(cfg.eval.seed, settings.tokenizer_path,
+                                                                          settings.max_length))}
+    texts = []
+    for row in records.itertuples():
+        prompt = items[row.item_id]["prompt"]
+        if settings.chat_template and getattr(tokenizer, "chat_template", None):
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                   add_generation_prompt=True)
+        texts.append(f"{prompt}{row.response}")
+    return texts[: slice_.config.divergence_texts]
+
+
 def divergence_texts(slice_: Slice, cfg: RunConfig, settings: evaluate.EvalSettings) -> list[str]:
     """The gold texts scored for KL / PPL on ``slice_`` (none for registry slices)."""
     if slice_.directory is None:

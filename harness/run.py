@@ -25,7 +25,7 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from harness import cli, divergence, evaluate, models, quant, report, summary, sweep, tracking
+from harness import candidate, cli, divergence, evaluate, longgen, models, quant, report, summary, sweep, tracking
 from harness.cache import Cache, atomic_write_json, atomic_write_text
 from harness.config import RunConfig
 from harness.identity import config_dict, eval_settings, run_key, run_name, to_config, tokenizer_dir
@@ -80,8 +80,10 @@ def job_config(cfg: DictConfig | RunConfig) -> RunConfig:
     """
     cfg = to_config(cfg)
     tags = sweep.tags_with_sweep_id(cfg.tracking.tags)  # harness.sweep_id groups a sweep's runs
-    return dataclasses.replace(cfg, quant=quant.with_model_defaults(cfg.quant, cfg.model.ragged_groups),
-                               tracking=dataclasses.replace(cfg.tracking, tags=tags))
+    scheme = quant.with_model_defaults(cfg.quant, cfg.model.ragged_groups)
+    if candidate.requested(cfg.candidate, scheme.name):  # an external checkpoint is the candidate
+        scheme = dataclasses.replace(scheme, name=f"external:{candidate.candidate_name(cfg.candidate)}")
+    return dataclasses.replace(cfg, quant=scheme, tracking=dataclasses.replace(cfg.tracking, tags=tags))
 
 
 def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
@@ -108,7 +110,10 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     with timings.stage("reference"):
         references = {s.name: compute_reference(loaded, s, cfg, cache) for s in checked.slices}
     with timings.stage("quantize"):
-        quant_report = quant.apply(loaded.model, cfg.quant, _quant_context(loaded, cfg, cache))
+        if cfg.candidate.path:  # the candidate is an external checkpoint: load it in the reference's place
+            loaded, quant_report = load_candidate(loaded, cfg)
+        else:
+            quant_report = quant.apply(loaded.model, cfg.quant, _quant_context(loaded, cfg, cache))
     with timings.stage("evaluate"):
         evaluated = evaluate_quantized(loaded, checked.slices, cfg, checkpoint)
     with timings.stage("divergence"):
@@ -116,15 +121,19 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
                             for s in checked.slices], ignore_index=True)
 
     reference_records = pd.concat([r.records for r in references.values()], ignore_index=True)
+    items = summary.pair_items(reference_records, evaluated.records)
     with timings.stage("write"):  # before any statistics: a failure there never loses the evaluation
-        write_records(results_dir, cfg, summary.pair_items(reference_records, evaluated.records), tokens, quant_report)
+        write_records(results_dir, cfg, items, tokens, quant_report)
     comparison = summary.build(reference_records, evaluated.records, tokens, cfg.compare,
                                list(cfg.eval.position_buckets),
                                lambda text: loaded.tokenizer(text, add_special_tokens=False)["input_ids"])
     result = summary_record(cfg, key, comparison, quant_report, references, evaluated, timings, loaded)
     result["runtime"] = runtime
+    long_generation = longgen.for_run(items, loaded.tokenizer)
+    if long_generation is not None:
+        result["long_generation"] = long_generation.summary
     with timings.stage("write"):
-        write_analysis(results_dir, cfg, comparison, quant_report, result)
+        write_analysis(results_dir, cfg, comparison, quant_report, result, long_generation)
     result["timings"].update(timings.stages)
     atomic_write_json(results_dir / "summary.json", result)  # last: marks the results complete
     shutil.rmtree(checkpoint, ignore_errors=True)  # the results it protected are on disk now
@@ -199,6 +208,22 @@ def summary_record(cfg: RunConfig, key: str, comparison: summary.Comparison, qua
     }
 
 
+def load_candidate(reference: models.LoadedModel, cfg: RunConfig) -> tuple[models.LoadedModel, quant.QuantReport]:
+    """The external candidate in the reference's place, and its scheme as a quant report.
+
+    The reference's tokenizer stays (the candidate's was checked identical) and so does its
+    identity: the results are keyed by the config, which names the candidate.
+    """
+    loaded, scheme = candidate.load(cfg.candidate, cfg.model, cfg.paths.cache_dir, reference_model=reference.model,
+                                    reference_tokenizer=reference.tokenizer)
+    total = sum(p.numel() for p in reference.model.parameters())
+    quant_report = candidate.weight_report(reference.model, loaded.model, scheme, total)
+    quant_report.notes.extend(f"{k}={v}" for k, v in scheme.as_params().items())
+    return models.LoadedModel(model=loaded.model, tokenizer=reference.tokenizer, identity=reference.identity,
+                              timings={**reference.timings, **{f"candidate_{k}": v for k, v in loaded.timings.items()}}
+                              ), quant_report
+
+
 def _quant_context(loaded: models.LoadedModel, cfg: RunConfig, cache: Cache) -> Any:
     from harness.quant.calibration import CalibrationContext
     return CalibrationContext(model_key=loaded.key, tokenizer=loaded.tokenizer, config=cfg.quant.calibration,
@@ -217,13 +242,19 @@ def write_records(directory: Path, cfg: RunConfig, items: pd.DataFrame, tokens: 
 
 
 def write_analysis(directory: Path, cfg: RunConfig, comparison: summary.Comparison, quant_report: quant.QuantReport,
-                   result: dict) -> None:
+                   result: dict, long_generation: longgen.LongGenReport | None = None) -> None:
     """The statistics and reports; summary.json, which marks completion, is written last by the caller."""
     _write_parquet(comparison.item_stats, directory / "item_stats.parquet")
     _write_parquet(comparison.token_stats, directory / "token_stats.parquet")
     _write_parquet(comparison.generation, directory / "generation.parquet")
     decode_floor(quant_report, cfg).to_csv(directory / "decode_floor.csv", index=False)
-    atomic_write_text(directory / "report.md", report.markdown(comparison, result))
+    markdown = report.markdown(comparison, result)
+    if long_generation is not None:
+        _write_parquet(long_generation.items, directory / "long_generation.parquet")
+        _write_parquet(long_generation.curve, directory / "long_generation_survival.parquet")
+        longgen.plot_survival({cfg.quant.name: long_generation.curve}, directory / "long_generation_survival.png")
+        markdown += "\n" + long_generation.markdown() + "\n![survival](long_generation_survival.png)\n"
+    atomic_write_text(directory / "report.md", markdown)
 
 
 def decode_floor(quant_report: quant.QuantReport, cfg: RunConfig) -> pd.DataFrame:

@@ -382,7 +382,7 @@ def build_ledger(model_name: str, arch: Architecture, scheme: QuantConfig, *, we
     gpu_list = resolve_gpus(list(gpus or DEFAULT_GPUS))
     formats = {name: load_kv_format(name) for name in (kv or DEFAULT_KV)}
     if scheme.kv_cache is not None:
-        formats[f"{scheme.name}_kv"] = scheme.kv_cache
+        formats["scheme_kv"] = scheme.kv_cache  # the KV cache the scheme itself quantizes
     per_token = {name: kv_bytes_per_token(arch.layers, arch.kv_heads, arch.head_dim,
                                           kv_bits_per_element(spec, arch.head_dim)) for name, spec in formats.items()}
     computed, computed_bits = scheme_weight_bytes(arch, scheme)

@@ -67,6 +67,19 @@ def test_shapes_alone_give_the_weight_bytes_a_real_quantization_measured():
     assert bits == pytest.approx(measured["bits_per_weight"], rel=1e-12)
 
 
+def test_shapes_match_a_real_quantized_tiny_model_and_its_kv_scheme(tmp_path):
+    from harness.report_quant import prepare
+
+    cfg = OmegaConf.to_object(compose(["model=tiny_random", "quant=int4_g128_kv8", f"paths.cache_dir={tmp_path}"]))
+    prepared = prepare(cfg)
+    report = quant.apply(prepared.loaded.model, prepared.scheme, prepared.context)
+    arch = ledger.architecture(cfg.model)
+    assert arch.total_params() == report.total_params
+    assert ledger.scheme_weight_bytes(arch, prepared.scheme)[0] == pytest.approx(report.weight_bits / 8, rel=1e-12)
+    table = ledger.ledger_for_run(prepared.loaded.model, report, cfg).table
+    assert set(table.query("kv == 'scheme_kv'")["kv_bytes_per_token"]) == {2 * 2 * 2 * 32 * 1}  # static FP8 KV
+
+
 def test_ledger_for_run_uses_the_loaded_models_config_and_report():
     from transformers import LlamaConfig
 

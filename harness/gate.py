@@ -152,7 +152,7 @@ def check_same_model(runs: list[RunResults]) -> None:
     if len(identities) > 1:
         names = sorted({f"{k[0]} ({k[2] or k[1]})" for k in identities})
         raise GateInputError(f"the runs compare different reference models ({', '.join(names)}); gate one model's "
-                             "runs at a time: pass each run directory (or each model's results dir) separately")
+                             "runs at a time: model=<name> picks them, or pass each run directory separately")
 
 
 def check_config(cfg: GateConfig) -> None:
@@ -321,12 +321,19 @@ def decide_run(run: RunResults, cfg: GateConfig) -> RunDecision:
                        str(run.summary.get("model", "")), str(run.summary.get("scheme", "")), criteria)
 
 
-def decide(paths: list[Path], cfg: GateConfig) -> GateDecision:
-    """Gate every finished run under ``paths`` (all of one reference model)."""
+def decide(paths: list[Path], cfg: GateConfig, model: str | None = None) -> GateDecision:
+    """Gate every finished run under ``paths`` (all of one reference model; ``model`` picks one by name)."""
     check_config(cfg)
     if not paths:
         raise GateInputError("no results given; usage: python -m harness.gate results/<run> [gate.margin=0.02 ...]")
     directories = [d for path in paths for d in find_runs(Path(path))]
+    if model is not None:
+        names = {d: json.loads((d / "config.json").read_text()).get("model", {}).get("name")
+                 for d in directories if (d / "config.json").exists()}
+        directories = [d for d in directories if names.get(d) == model]
+        if not directories:
+            raise GateInputError(f"no run of model {model!r} under {', '.join(map(str, paths))}; models there: "
+                                 f"{', '.join(sorted(filter(None, set(names.values())))) or 'none'}")
     runs = [load_run(d) for d in directories]
     check_same_model(runs)
     check_slice_names(cfg, runs)
@@ -401,6 +408,7 @@ class GateOptions:
     paths: list[str] = field(default_factory=list, metadata={"help": "results/<run> dirs or directories of runs"})
     gate: GateConfig = field(default_factory=GateConfig, metadata={"help": "gate.margin, gate.margins.<slice>, ..."})
     out: Optional[str] = field(default=None, metadata={"help": "where gate.json/gate.xml go (default: the one path)"})
+    model: Optional[str] = field(default=None, metadata={"help": "gate only the runs of this model (conf/model name)"})
 
 
 TOOL = cli.Tool(prog="python -m harness.gate", positional="paths", options=GateOptions, bad_input_status=EXIT_BAD_INPUT,
@@ -412,7 +420,7 @@ TOOL = cli.Tool(prog="python -m harness.gate", positional="paths", options=GateO
 def _body(parsed: cli.Parsed[GateOptions]) -> int:
     options = parsed.options
     assert options is not None
-    decision = decide([Path(p) for p in options.paths], options.gate)
+    decision = decide([Path(p) for p in options.paths], options.gate, options.model)
     if options.out:
         out = Path(options.out)
     elif len(options.paths) == 1:

@@ -19,7 +19,9 @@ Greedy by KL saved per bit is optimal only for the fractional problem and can mi
 Writes under ``<paths.results_dir>/recommend/<model>__<scheme>/``: ``<name>.yaml`` (a scheme usable as
 ``quant=<name>`` once in conf/quant/: ``save_as=<name>`` puts it there), ``recommendation.json``,
 ``units.csv``, ``frontier.csv`` and ``frontier.png`` (bits/weight vs measured KL of the recommendation
-against uniform schemes); ``run=true`` then runs it through the normal pipeline. Logged to MLflow as a
+against uniform schemes: ``dominated_by_uniform`` lists the uniform schemes with no more bits and no more
+KL, ``below_interpolated_uniform_frontier`` compares with the straight line between neighbouring uniform
+points — a mix of two formats per layer, which the targets/keep form cannot express); ``run=true`` then runs it through the normal pipeline. Logged to MLflow as a
 run tagged ``harness.kind=recommend``.
 """
 from __future__ import annotations
@@ -188,6 +190,14 @@ def plot_frontier(frontier: pd.DataFrame, path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def dominated_by(frontier: pd.DataFrame, bits: float, kl: float) -> list[str]:
+    """Uniform schemes at no more bits and no more KL (with one strictly less): empty = on the Pareto frontier."""
+    uniform = frontier[frontier["kind"] == "uniform"]
+    better = uniform[(uniform["bits_per_weight"] <= bits) & (uniform["kl_mean"] <= kl)
+                     & ((uniform["bits_per_weight"] < bits) | (uniform["kl_mean"] < kl))]
+    return better["scheme"].tolist()
+
+
 def below_frontier(frontier: pd.DataFrame, bits: float, kl: float) -> bool:
     """Whether (bits, kl) lies on or below the piecewise-linear frontier of the uniform schemes."""
     uniform = frontier[frontier["kind"] == "uniform"].sort_values("bits_per_weight")
@@ -296,14 +306,16 @@ def recommend(cfg: Any, options: RecommendOptions, overrides: list[str] | None =
         rows.append({"scheme": uniform.name, "kind": "uniform", "predicted_kl": None, **point})
     timings["measure"] = time.perf_counter() - start
     frontier = pd.DataFrame(rows)
-    on_frontier = below_frontier(frontier, choice.bits_per_weight, measured["kl_mean"])
+    below_line = below_frontier(frontier, choice.bits_per_weight, measured["kl_mean"])
+    dominating = dominated_by(frontier, choice.bits_per_weight, measured["kl_mean"])
 
     kept = [u.name for u, q in zip(units, choice.quantized) if not q]
     result = {"model": cfg.model.name, "scheme": cfg.quant.name, "recommended": name, "budget": vars(options.budget),
               "granularity": options.granularity, "units": len(units), "kept_units": kept,
               "bits_per_weight": choice.bits_per_weight, "predicted_kl": choice.predicted_kl,
               "measured_kl": measured["kl_mean"], "measured_top1_agree": measured["top1_agree"],
-              "on_or_below_uniform_frontier": on_frontier, "texts": len(reference),
+              "dominated_by_uniform": dominating, "below_interpolated_uniform_frontier": below_line,
+              "texts": len(reference),
               "all_units_predicted_kl": float(sum(u.kl for u in units)), "timings": timings, "solver": "scipy milp"}
     header = (f"{name}: {cfg.quant.name} with {len(kept)} of {len(units)} {options.granularity}s kept in high precision\n"
               f"(harness.recommend, budget {vars(options.budget)}): {choice.bits_per_weight:.3f} bits/weight, "

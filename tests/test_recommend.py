@@ -86,6 +86,8 @@ def test_below_frontier():
     assert recommend.below_frontier(frontier, 6.0, 0.05)  # the segment gives 0.055 at 6 bits
     assert not recommend.below_frontier(frontier, 6.0, 0.06)
     assert not recommend.below_frontier(frontier, 3.0, 0.2)
+    assert recommend.dominated_by(frontier.assign(scheme=["a", "b", "c"]), 9.0, 0.02) == ["b"]
+    assert recommend.dominated_by(frontier.assign(scheme=["a", "b", "c"]), 6.0, 0.06) == []  # Pareto-optimal
 
 
 def test_recommendation_on_the_tiny_model_end_to_end(make_cfg, tmp_path):

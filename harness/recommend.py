@@ -16,7 +16,8 @@ scheme applied and scored on the same texts) and the two are reported side by si
 Solved exactly as a 0/1 knapsack with ``scipy.optimize.milp`` (one binary per unit; a few hundred at most).
 Greedy by KL saved per bit is optimal only for the fractional problem and can miss the best 0/1 choice.
 
-Writes under ``<paths.results_dir>/recommend/<model>__<scheme>/``: ``<name>.yaml`` (a scheme usable as
+Writes under ``<paths.results_dir>/recommend/<model>__<scheme>/`` the sensitivity it computed (reused by
+later budgets; ``python -m harness.sensitivity``'s table is reused too) and, in ``<name>/``: ``<name>.yaml`` (a scheme usable as
 ``quant=<name>`` once in conf/quant/: ``save_as=<name>`` puts it there), ``recommendation.json``,
 ``units.csv``, ``frontier.csv`` and ``frontier.png`` (bits/weight vs measured KL of the recommendation
 against uniform schemes: ``dominated_by_uniform`` lists the uniform schemes with no more bits and no more
@@ -310,6 +311,8 @@ def recommend(cfg: Any, options: RecommendOptions, overrides: list[str] | None =
     dominating = dominated_by(frontier, choice.bits_per_weight, measured["kl_mean"])
 
     kept = [u.name for u, q in zip(units, choice.quantized) if not q]
+    cache_dir, out = out, out / name  # the sensitivity is shared by every budget; the rest is per recommendation
+    out.mkdir(parents=True, exist_ok=True)
     result = {"model": cfg.model.name, "scheme": cfg.quant.name, "recommended": name, "budget": vars(options.budget),
               "granularity": options.granularity, "units": len(units), "kept_units": kept,
               "bits_per_weight": choice.bits_per_weight, "predicted_kl": choice.predicted_kl,
@@ -334,7 +337,7 @@ def recommend(cfg: Any, options: RecommendOptions, overrides: list[str] | None =
         result["pipeline"] = pipeline.run(compose(given + [f"quant={name}"]))["metrics"]
     if cfg.tracking.enabled:
         _log_to_mlflow(out, cfg, result)
-    result["directory"] = str(out)
+    result["directory"], result["sensitivity_dir"] = str(out), str(cache_dir)
     return result
 
 

@@ -98,7 +98,8 @@ def test_recommendation_on_the_tiny_model_end_to_end(make_cfg, tmp_path):
     options = recommend.RecommendOptions(budget=recommend.Budget(bits=8.0), granularity="linear", texts=2,
                                          frontier=["int8"], out=str(tmp_path / "rec"))
     result = recommend.recommend(cfg, options)
-    out = tmp_path / "rec"
+    out = tmp_path / "rec" / result["recommended"]
+    assert (tmp_path / "rec" / "sensitivity.csv").exists()
     units = pd.read_csv(out / "units.csv")
     assert result["predicted_kl"] == pytest.approx(units.loc[units["quantized"], "kl"].sum())
     assert result["bits_per_weight"] <= 8.0 and np.isfinite(result["measured_kl"])

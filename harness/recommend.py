@@ -172,7 +172,9 @@ def plot_frontier(frontier: pd.DataFrame, path: Path, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     uniform = frontier[frontier["kind"] == "uniform"].sort_values("bits_per_weight")
-    ax.plot(uniform["bits_per_weight"], uniform["kl_mean"], "o--", color="#4c72b0", label="uniform schemes")
+    ax.scatter(uniform["bits_per_weight"], uniform["kl_mean"], color="#4c72b0", label="uniform schemes")
+    pareto = uniform[uniform["kl_mean"] < uniform["kl_mean"].cummin().shift(fill_value=np.inf)]
+    ax.plot(pareto["bits_per_weight"], pareto["kl_mean"], "--", color="#4c72b0", label="uniform frontier")
     for row in uniform.itertuples():
         ax.annotate(row.scheme, (row.bits_per_weight, row.kl_mean), fontsize=8, xytext=(3, 3),
                     textcoords="offset points")

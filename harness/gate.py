@@ -136,10 +136,13 @@ def find_runs(path: Path) -> list[Path]:
 
 def load_run(directory: Path) -> RunResults:
     """A finished run; an unfinished one (no summary.json, written last) is refused."""
-    missing = [name for name in ("summary.json", "config.json", "items.parquet") if not (directory / name).exists()]
+    if not (directory / "summary.json").exists():
+        raise GateInputError(f"{directory} is not a finished run (no summary.json, which a job writes last): let the "
+                             "job finish, or rerun it (it resumes from its checkpoint), then gate again")
+    missing = [name for name in ("config.json", "items.parquet") if not (directory / name).exists()]
     if missing:
-        raise GateInputError(f"{directory} is not a finished run (missing {', '.join(missing)}; summary.json is written "
-                             "last): let the job finish, or rerun it (it resumes from its checkpoint), then gate again")
+        raise GateInputError(f"{directory} has summary.json but not {', '.join(missing)} (an older harness version or "
+                             "removed files): the paired test needs the per-item table; rerun the job with force=true")
     summary = json.loads((directory / "summary.json").read_text())
     config = json.loads((directory / "config.json").read_text())
     items = pd.read_parquet(directory / "items.parquet")

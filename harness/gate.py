@@ -19,6 +19,9 @@ estimates with ``gate.token`` (every slice) or ``gate.token_slices.<slice>`` lim
 without token rows is inconclusive on them. A slice's outcome is its worst criterion (fail >
 inconclusive > pass), a run's its worst slice.
 
+A directory of runs (``paths.results_dir`` of a sweep) gates each run; ``model=<name>`` and
+``sweep=<harness.sweep_id>`` pick runs from a directory that holds several models or sweeps.
+
 Exit status: 0 every slice passes, 1 any fails, 2 none fails but some are inconclusive, 3 bad input
 (unfinished run, runs of different models, margin outside (0, 1), unknown option, ...).
 Writes ``gate.json`` and ``gate.xml`` (JUnit: one test case per slice and criterion, inconclusive as
@@ -41,6 +44,7 @@ from omegaconf import OmegaConf
 from harness import cli, stats
 from harness.cache import atomic_write_json, atomic_write_text
 from harness.config import GateConfig, TokenGateConfig
+from harness.tracking import SWEEP_TAG
 
 log = logging.getLogger("harness.gate")
 
@@ -324,8 +328,9 @@ def decide_run(run: RunResults, cfg: GateConfig) -> RunDecision:
                        str(run.summary.get("model", "")), str(run.summary.get("scheme", "")), criteria)
 
 
-def decide(paths: list[Path], cfg: GateConfig, model: str | None = None) -> GateDecision:
-    """Gate every finished run under ``paths`` (all of one reference model; ``model`` picks one by name)."""
+def decide(paths: list[Path], cfg: GateConfig, model: str | None = None, sweep: str | None = None) -> GateDecision:
+    """Gate every finished run under ``paths`` (all of one reference model; ``model`` picks one by name,
+    ``sweep`` the runs tagged with that ``harness.sweep_id``)."""
     check_config(cfg)
     if not paths:
         raise GateInputError("no results given; usage: python -m harness.gate results/<run> [gate.margin=0.02 ...]")
@@ -338,6 +343,12 @@ def decide(paths: list[Path], cfg: GateConfig, model: str | None = None) -> Gate
             raise GateInputError(f"no run of model {model!r} under {', '.join(map(str, paths))}; models there: "
                                  f"{', '.join(sorted(filter(None, set(names.values())))) or 'none'}")
     runs = [load_run(d) for d in directories]
+    if sweep is not None:
+        ids = {str(r.summary.get("tags", {}).get(SWEEP_TAG, "")) for r in runs}
+        runs = [r for r in runs if str(r.summary.get("tags", {}).get(SWEEP_TAG, "")) == sweep]
+        if not runs:
+            raise GateInputError(f"no run tagged {SWEEP_TAG}={sweep!r}; sweep ids there: "
+                                 f"{', '.join(sorted(filter(None, ids))) or 'none'}")
     check_same_model(runs)
     check_slice_names(cfg, runs)
     return GateDecision([decide_run(r, cfg) for r in runs], OmegaConf.to_container(OmegaConf.structured(cfg)))
@@ -412,6 +423,7 @@ class GateOptions:
     gate: GateConfig = field(default_factory=GateConfig, metadata={"help": "gate.margin, gate.margins.<slice>, ..."})
     out: Optional[str] = field(default=None, metadata={"help": "where gate.json/gate.xml go (default: the one path)"})
     model: Optional[str] = field(default=None, metadata={"help": "gate only the runs of this model (conf/model name)"})
+    sweep: Optional[str] = field(default=None, metadata={"help": "gate only the runs of this harness.sweep_id"})
 
 
 TOOL = cli.Tool(prog="python -m harness.gate", positional="paths", options=GateOptions, bad_input_status=EXIT_BAD_INPUT,
@@ -423,7 +435,7 @@ TOOL = cli.Tool(prog="python -m harness.gate", positional="paths", options=GateO
 def _body(parsed: cli.Parsed[GateOptions]) -> int:
     options = parsed.options
     assert options is not None
-    decision = decide([Path(p) for p in options.paths], options.gate, options.model)
+    decision = decide([Path(p) for p in options.paths], options.gate, options.model, options.sweep)
     if options.out:
         out = Path(options.out)
     elif len(options.paths) == 1:

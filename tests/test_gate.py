@@ -39,12 +39,13 @@ def scores(n: int, ref_right: int, lost: int, gained: int) -> tuple[np.ndarray, 
 
 
 def write_run(directory: Path, items: pd.DataFrame, *, model: dict | None = None, metrics: dict | None = None,
-              scheme: str = "int4") -> Path:
+              scheme: str = "int4", sweep: str = "") -> Path:
     directory.mkdir(parents=True)
     items.to_parquet(directory / "items.parquet")
     (directory / "config.json").write_text(json.dumps({"model": model or MODEL, "compare": COMPARE}))
     (directory / "summary.json").write_text(json.dumps({"run_name": f"m/{scheme}/x", "model": "m", "scheme": scheme,
-                                                        "metrics": metrics or {}}))
+                                                        "metrics": metrics or {},
+                                                        "tags": {"harness.sweep_id": sweep} if sweep else {}}))
     return directory
 
 
@@ -141,13 +142,15 @@ def test_cli_exit_codes_and_junit_xml(tmp_path, capsys):
 
 def test_sweep_directory_gates_every_run_and_takes_the_worst(tmp_path):
     sweep = tmp_path / "results"
-    write_run(sweep / "a", slice_items("s", *scores(400, 320, 2, 2)), scheme="int8")
-    write_run(sweep / "b", slice_items("s", *scores(400, 320, 60, 0)), scheme="int4")
+    write_run(sweep / "a", slice_items("s", *scores(400, 320, 2, 2)), scheme="int8", sweep="night1")
+    write_run(sweep / "b", slice_items("s", *scores(400, 320, 60, 0)), scheme="int4", sweep="night2")
     (sweep / "compare").mkdir()  # other outputs under results/ are not runs
     assert gate.main([str(sweep)]) == 1
     saved = json.loads((sweep / "gate.json").read_text())
     assert [r["outcome"] for r in saved["runs"]] == ["pass", "fail"]
     assert len(list(ET.parse(sweep / "gate.xml").getroot().iter("testsuite"))) == 2
+    assert gate.main([str(sweep), "sweep=night1"]) == 0  # one sweep's runs, by harness.sweep_id
+    assert gate.main([str(sweep), "sweep=night3"]) == gate.EXIT_BAD_INPUT
 
 
 def test_bad_input_is_refused_with_a_clear_message(tmp_path, capsys):

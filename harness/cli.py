@@ -47,6 +47,7 @@ class Tool(Generic[T]):
     run_config: bool = False  # other key=value arguments are overrides of the run config
     positional: str | None = None  # options field (a list) that collects bare arguments
     flags: tuple[str, ...] = ()  # bare flags the tool accepts (e.g. "-m"); returned in Parsed.flags
+    bad_input_status: int = EXIT_USAGE  # exit status of a user error (harness.gate: 3, since 2 means inconclusive)
 
 
 @dataclass
@@ -214,7 +215,8 @@ def fail(message: str) -> int:
 
 
 def main(tool: Tool[T], body: Callable[[Parsed[T]], int | None], argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv`` for ``tool`` and call ``body``; user-fixable errors print one line, exit 2.
+    """Parse ``argv`` for ``tool`` and call ``body``; user-fixable errors print one line and exit with
+    ``tool.bad_input_status`` (2 unless the tool says otherwise).
 
     ``body`` returns the exit status (``None`` means 0). Logging is set up once here.
     """
@@ -225,11 +227,13 @@ def main(tool: Tool[T], body: Callable[[Parsed[T]], int | None], argv: Sequence[
     try:
         parsed = parse(tool, argv)
     except UsageError as exc:
-        return fail(str(exc))
+        fail(str(exc))
+        return tool.bad_input_status
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     try:
         status = body(parsed)
     except user_errors() as exc:
-        return fail(str(exc))
+        fail(str(exc))
+        return tool.bad_input_status
     return 0 if status is None else int(status)

@@ -179,6 +179,35 @@ class CompareConfig:
 
 
 @dataclass
+class TokenGateConfig:
+    """Token-level limits of the deployment gate (None: not gated)."""
+
+    kl_mean_max: Optional[float] = None  # fail a slice whose mean KL(ref || quant) in nats exceeds this
+    top1_agree_min: Optional[float] = None  # fail a slice whose top-1 agreement falls below this
+
+
+@dataclass
+class GateConfig:
+    """The ship / no-ship decision per slice (harness.gate): pass, fail or inconclusive."""
+
+    enabled: bool = False  # gate every job at its end (gate.json + gate.xml in results/<run>/)
+    margin: Optional[float] = None  # non-inferiority margin in accuracy (0.02 = 2 pt); None: compare.margin
+    margins: dict[str, float] = field(default_factory=dict)  # per-slice margins, e.g. {code: 0.05}
+    alpha: float = 0.05  # level of the one-sided tests (after the correction)
+    correction: Optional[str] = None  # holm | bh | none across the run's gated slices; None: compare.correction
+    min_items: int = 30  # fewer items: inconclusive (a t-test on a handful of items is not a decision)
+    min_clusters: int = 5  # fewer clusters: inconclusive (the clustered SE needs several clusters)
+    # Reference accuracy minus chance below this: inconclusive (a slice the reference mostly gets wrong
+    # cannot show a loss). Chance is gate.chance[slice], else mc_chance per multiple-choice item, 0 generative.
+    min_headroom: float = 0.10
+    mc_chance: float = 0.25
+    chance: dict[str, float] = field(default_factory=dict)
+    token: TokenGateConfig = field(default_factory=TokenGateConfig)  # token limits for every slice
+    token_slices: dict[str, TokenGateConfig] = field(default_factory=dict)  # per-slice token limits
+    slices: list[str] = field(default_factory=list)  # gate only these slices ([]: every slice of the run)
+
+
+@dataclass
 class TrackingConfig:
     enabled: bool = True
     uri: Optional[str] = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the cwd
@@ -211,6 +240,7 @@ class RunConfig:
     slices: dict[str, SliceConfig] = field(default_factory=dict)
     eval: EvalConfig = field(default_factory=EvalConfig)
     compare: CompareConfig = field(default_factory=CompareConfig)
+    gate: GateConfig = field(default_factory=GateConfig)  # ship / no-ship decision (off unless gate.enabled)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)

@@ -20,7 +20,7 @@ from harness.config import RunConfig
 from harness.slices import Slice
 
 # Config sections that say where results go or how a job runs, not what it computes.
-TRANSIENT_SECTIONS = ("tracking", "paths", "force", "runtime")
+TRANSIENT_SECTIONS = ("tracking", "paths", "force", "runtime", "gate")
 
 
 def to_config(cfg: DictConfig | RunConfig) -> RunConfig:

@@ -26,75 +26,12 @@ import torch
 from harness import cli, models, quant
 from harness.cache import Cache, atomic_write_text
 from harness.config import RunConfig
+from harness.ledger import (DEFAULT_GPUS, EXTRAPOLATE_PARAMS, GPU_BANDWIDTH, REFERENCE_BITS,  # noqa: F401 (re-exported)
+                            decode_floor_metrics, decode_floor_ms, decode_floor_table)
 from harness.quant import smoothquant  # noqa: F401  (registers "smoothquant")
 from harness.quant.base import QuantReport
 
 log = logging.getLogger(__name__)
-
-# Peak HBM bandwidth in bytes/s (vendor datasheets; SXM parts).
-GPU_BANDWIDTH: dict[str, float] = {
-    "A100": 2.039e12,  # A100 80GB SXM
-    "H100": 3.35e12,  # H100 SXM
-    "H200": 4.8e12,
-    "B200": 8.0e12,
-    "MI300X": 5.3e12,
-}
-DEFAULT_GPUS = ("H100", "H200", "B200")
-# Nominal sizes of the extrapolation rows (all parameters at the scheme's bits per weight).
-EXTRAPOLATE_PARAMS: dict[str, float] = {"8B": 8e9, "70B": 70e9}
-REFERENCE_BITS = 16  # the unquantized deployment: BF16
-
-
-def decode_floor_ms(weight_bytes: float, bandwidth: float) -> float:
-    """Batch-1 decode floor in ms/token: every weight byte read once per generated token."""
-    if bandwidth <= 0:
-        raise ValueError(f"bandwidth must be positive bytes/s, got {bandwidth}")
-    return weight_bytes / bandwidth * 1e3
-
-
-def decode_floor_table(report: QuantReport, gpus: dict[str, float], *, model_name: str = "this model",
-                       sizes: dict[str, float] | None = None) -> pd.DataFrame:
-    """Weight size and decode floor of this model and of nominal larger ones, BF16 vs the scheme.
-
-    Rows: this model in BF16 and as quantized (kept layers at 16 bits, ``report.weight_bits``);
-    then each of ``sizes`` (default 8B, 70B) in BF16 and with *all* parameters at the quantized
-    layers' bits per weight (scales included), as the primers' tables count. One column
-    ``ms_per_token_<GPU>`` per entry of ``gpus`` (name → bytes/s).
-    """
-    sizes = EXTRAPOLATE_PARAMS if sizes is None else sizes
-    summary = report.summary()
-    scheme_bits = float(summary["bits_per_weight"])
-    rows: list[dict[str, Any]] = [
-        {"model": model_name, "precision": "bf16", "params": report.total_params,
-         "bits_per_weight": float(REFERENCE_BITS), "weight_bits": report.total_params * REFERENCE_BITS},
-        {"model": model_name, "precision": report.scheme, "params": report.total_params,
-         "bits_per_weight": report.weight_bits / max(report.total_params, 1), "weight_bits": report.weight_bits},
-    ]
-    for size, params in sizes.items():
-        rows.append({"model": size, "precision": "bf16", "params": params, "bits_per_weight": float(REFERENCE_BITS),
-                     "weight_bits": params * REFERENCE_BITS})
-        rows.append({"model": size, "precision": report.scheme, "params": params, "bits_per_weight": scheme_bits,
-                     "weight_bits": params * scheme_bits})
-    for row in rows:
-        weight_bytes = row.pop("weight_bits") / 8
-        row["weight_gb"] = weight_bytes / 1e9
-        for gpu, bandwidth in gpus.items():
-            row[f"ms_per_token_{gpu}"] = decode_floor_ms(weight_bytes, bandwidth)
-    return pd.DataFrame(rows)
-
-
-def decode_floor_metrics(table: pd.DataFrame) -> dict[str, float]:
-    """Flat metrics of a :func:`decode_floor_table` for MLflow, e.g. ``decode_floor/70B/H100_ms``."""
-    metrics: dict[str, float] = {}
-    quantized = table[table["precision"] != "bf16"]
-    for row in quantized.to_dict("records"):
-        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(row["model"]))
-        metrics[f"decode_floor/{name}/weight_gb"] = float(row["weight_gb"])
-        for column, value in row.items():
-            if column.startswith("ms_per_token_"):
-                metrics[f"decode_floor/{name}/{column.removeprefix('ms_per_token_')}_ms"] = float(value)
-    return metrics
-
 
 def layer_table(report: QuantReport) -> pd.DataFrame:
     """One row per quantized linear: shape, bits per weight (scales included), SQNR, relative RMS error."""

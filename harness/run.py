@@ -25,7 +25,8 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from harness import candidate, cli, divergence, evaluate, longgen, models, quant, report, summary, sweep, tracking
+from harness import (candidate, cli, divergence, evaluate, gate, ledger, longgen, models, quant, report, summary,
+                     sweep, tracking)
 from harness.cache import Cache, atomic_write_json, atomic_write_text
 from harness.config import RunConfig
 from harness.identity import config_dict, eval_settings, run_key, run_name, to_config, tokenizer_dir
@@ -127,15 +128,20 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     comparison = summary.build(reference_records, evaluated.records, tokens, cfg.compare,
                                list(cfg.eval.position_buckets),
                                lambda text: loaded.tokenizer(text, add_special_tokens=False)["input_ids"])
+    capacity_ledger = capacity(loaded, quant_report, cfg)
     result = summary_record(cfg, key, comparison, quant_report, references, evaluated, timings, loaded)
+    result["quant"].update(capacity_ledger.metrics())
     result["runtime"] = runtime
     long_generation = longgen.for_run(items, loaded.tokenizer)
     if long_generation is not None:
         result["long_generation"] = long_generation.summary
     with timings.stage("write"):
-        write_analysis(results_dir, cfg, comparison, quant_report, result, long_generation)
+        write_analysis(results_dir, cfg, comparison, quant_report, result, capacity_ledger, long_generation)
     result["timings"].update(timings.stages)
     atomic_write_json(results_dir / "summary.json", result)  # last: marks the results complete
+    if cfg.gate.enabled:  # gate.json + gate.xml beside the results (a sweep gates every run)
+        decision = gate.gate_results(results_dir, cfg.gate)
+        result["gate"] = {"outcome": decision.outcome, "exit_code": decision.exit_code}
     shutil.rmtree(checkpoint, ignore_errors=True)  # the results it protected are on disk now
     report.print_comparison(comparison, result)
     with timings.stage("logging"):
@@ -193,8 +199,7 @@ def summary_record(cfg: RunConfig, key: str, comparison: summary.Comparison, qua
                    references: dict[str, SliceReference], evaluated: Evaluated, timings: Timings,
                    loaded: models.LoadedModel) -> dict[str, Any]:
     """The content of summary.json: identity, metrics, timings, quantization and bookkeeping."""
-    from harness.report_quant import decode_floor_metrics
-    quant_summary = {**quant_report.summary(), **decode_floor_metrics(decode_floor(quant_report, cfg))}
+    quant_summary = {**quant_report.summary(), **ledger.decode_floor_metrics(decode_floor(quant_report, cfg))}
     return {
         "run_key": key, "run_name": run_name(cfg), "model": cfg.model.name, "scheme": cfg.quant.name,
         "method": cfg.quant.method, "slices": list(cfg.slices), "metrics": comparison.metrics(),
@@ -242,13 +247,16 @@ def write_records(directory: Path, cfg: RunConfig, items: pd.DataFrame, tokens: 
 
 
 def write_analysis(directory: Path, cfg: RunConfig, comparison: summary.Comparison, quant_report: quant.QuantReport,
-                   result: dict, long_generation: longgen.LongGenReport | None = None) -> None:
+                   result: dict, capacity_ledger: ledger.Ledger,
+                   long_generation: longgen.LongGenReport | None = None) -> None:
     """The statistics and reports; summary.json, which marks completion, is written last by the caller."""
     _write_parquet(comparison.item_stats, directory / "item_stats.parquet")
     _write_parquet(comparison.token_stats, directory / "token_stats.parquet")
     _write_parquet(comparison.generation, directory / "generation.parquet")
     decode_floor(quant_report, cfg).to_csv(directory / "decode_floor.csv", index=False)
     markdown = report.markdown(comparison, result)
+    capacity_ledger.write_csv(directory / "ledger.csv")
+    markdown += "\n" + capacity_ledger.markdown()
     if long_generation is not None:
         _write_parquet(long_generation.items, directory / "long_generation.parquet")
         _write_parquet(long_generation.curve, directory / "long_generation_survival.parquet")
@@ -259,8 +267,13 @@ def write_analysis(directory: Path, cfg: RunConfig, comparison: summary.Comparis
 
 def decode_floor(quant_report: quant.QuantReport, cfg: RunConfig) -> pd.DataFrame:
     """Batch-1 decode floor (weight bytes / bandwidth) of this model and of 8B/70B at its bits/weight."""
-    from harness.report_quant import DEFAULT_GPUS, GPU_BANDWIDTH, decode_floor_table
-    return decode_floor_table(quant_report, {g: GPU_BANDWIDTH[g] for g in DEFAULT_GPUS}, model_name=cfg.model.name)
+    return ledger.decode_floor_table(quant_report, {g: ledger.GPU_BANDWIDTH[g] for g in ledger.DEFAULT_GPUS},
+                                     model_name=cfg.model.name)
+
+
+def capacity(loaded: models.LoadedModel, quant_report: quant.QuantReport, cfg: RunConfig) -> ledger.Ledger:
+    """What the scheme buys on each GPU of the ledger: KV tokens, batch, decode floor."""
+    return ledger.ledger_for_run(loaded.model, quant_report, cfg)
 
 
 def _write_parquet(frame: pd.DataFrame, path: Path) -> None:

@@ -1,0 +1,457 @@
+"""``python -m harness.gate <results dir or sweep dir> [gate.margin=0.02 gate.margins.code=0.05 ...]``.
+
+The ship / no-ship decision. For every finished run (``results/<run>/``: summary.json, the paired
+per-item table items.parquet, the resolved config.json) and every slice, the paired
+non-inferiority test of :mod:`harness.stats` at the slice's margin, with the run's multiple-comparison
+correction over the gated slices, decides:
+
+* **pass**: non-inferiority shown (H0 Δ ≤ −margin rejected at ``alpha`` after the correction);
+* **fail**: inferiority shown (H0 Δ ≥ −margin rejected), or a significant drop (CI of Δ below 0
+  and McNemar's corrected p < alpha) for which non-inferiority cannot be shown;
+* **inconclusive**: the data cannot tell. Reasons: too few items (``min_items``), too few clusters
+  (``min_clusters``), the reference near the floor or chance (accuracy − chance < ``min_headroom``:
+  a slice the reference mostly gets wrong cannot show a loss; checked before a pass, not before a
+  fail), or neither test rejects (the MDE at 80 % power exceeding the margin is then named, with
+  ``n_needed``, the items that would settle it).
+
+Optional token-level gates compare the run's per-slice ``kl_mean`` / ``top1_agree`` point
+estimates with ``gate.token`` (every slice) or ``gate.token_slices.<slice>`` limits; a slice
+without token rows is inconclusive on them. A slice's outcome is its worst criterion (fail >
+inconclusive > pass), a run's its worst slice.
+
+A directory of runs (``paths.results_dir`` of a sweep) gates each run; ``model=<name>`` and
+``sweep=<harness.sweep_id>`` pick runs from a directory that holds several models or sweeps.
+
+Exit status: 0 every slice passes, 1 any fails, 2 none fails but some are inconclusive, 3 bad input
+(unfinished run, runs of different models, margin outside (0, 1), unknown option, ...).
+Writes ``gate.json`` and ``gate.xml`` (JUnit: one test case per slice and criterion, inconclusive as
+skipped, the numbers in the message) into the given directory, or ``out=``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import xml.etree.ElementTree as ET
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import pandas as pd
+from omegaconf import OmegaConf
+
+from harness import cli, stats
+from harness.cache import atomic_write_json, atomic_write_text
+from harness.config import GateConfig, TokenGateConfig
+from harness.tracking import SWEEP_TAG
+
+log = logging.getLogger("harness.gate")
+
+PASS, FAIL, INCONCLUSIVE = "pass", "fail", "inconclusive"
+EXIT_CODES = {PASS: 0, FAIL: 1, INCONCLUSIVE: 2}
+EXIT_BAD_INPUT = 3
+_RANK = {PASS: 0, INCONCLUSIVE: 1, FAIL: 2}
+_MODEL_IDENTITY = ("name", "source", "path", "gguf_file", "revision", "dtype")
+
+
+class GateInputError(cli.UsageError):
+    """Results the gate cannot decide on (unfinished, mixed models, bad margins); says what would work."""
+
+
+def worst(outcomes: list[str]) -> str:
+    return max(outcomes, key=_RANK.__getitem__) if outcomes else INCONCLUSIVE
+
+
+@dataclass
+class Criterion:
+    """One test case: a slice under one criterion (accuracy non-inferiority, kl_mean, top1_agree)."""
+
+    slice: str
+    criterion: str
+    outcome: str
+    message: str
+    reasons: list[str] = field(default_factory=list)
+    numbers: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RunDecision:
+    run_name: str
+    directory: str
+    model: str
+    scheme: str
+    criteria: list[Criterion]
+
+    @property
+    def outcome(self) -> str:
+        return worst([c.outcome for c in self.criteria])
+
+    def slice_outcomes(self) -> dict[str, str]:
+        slices = dict.fromkeys(c.slice for c in self.criteria)
+        return {s: worst([c.outcome for c in self.criteria if c.slice == s]) for s in slices}
+
+
+@dataclass
+class GateDecision:
+    runs: list[RunDecision]
+    config: dict[str, Any]
+
+    @property
+    def outcome(self) -> str:
+        return worst([r.outcome for r in self.runs])
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self.outcome]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"outcome": self.outcome, "exit_code": self.exit_code, "config": self.config,
+                "runs": [{"run_name": r.run_name, "directory": r.directory, "model": r.model, "scheme": r.scheme,
+                          "outcome": r.outcome, "slices": r.slice_outcomes(),
+                          "criteria": [asdict(c) for c in r.criteria]} for r in self.runs]}
+
+
+# ----------------------------------------------------------------------------------- input
+@dataclass
+class RunResults:
+    directory: Path
+    summary: dict[str, Any]
+    config: dict[str, Any]
+    items: pd.DataFrame
+
+
+def _looks_like_run(directory: Path) -> bool:
+    return any((directory / name).exists() for name in ("summary.json", "config.json", "items.parquet", "checkpoint"))
+
+
+def find_runs(path: Path) -> list[Path]:
+    """``path`` itself when it is a run directory, else its run subdirectories (a sweep's results dir)."""
+    if not path.is_dir():
+        raise GateInputError(f"{path} is not a directory; pass a results/<run>/ directory or a directory of runs")
+    if _looks_like_run(path):
+        return [path]
+    runs = sorted(child for child in path.iterdir() if child.is_dir() and _looks_like_run(child))
+    if not runs:
+        raise GateInputError(f"{path} holds no run results (no summary.json in it or its subdirectories); pass the "
+                             "results/<run>/ directory a job wrote, or paths.results_dir of a sweep")
+    return runs
+
+
+def load_run(directory: Path) -> RunResults:
+    """A finished run; an unfinished one (no summary.json, written last) is refused."""
+    if not (directory / "summary.json").exists():
+        raise GateInputError(f"{directory} is not a finished run (no summary.json, which a job writes last): let the "
+                             "job finish, or rerun it (it resumes from its checkpoint), then gate again")
+    missing = [name for name in ("config.json", "items.parquet") if not (directory / name).exists()]
+    if missing:
+        raise GateInputError(f"{directory} has summary.json but not {', '.join(missing)} (an older harness version or "
+                             "removed files): the paired test needs the per-item table; rerun the job with force=true")
+    summary = json.loads((directory / "summary.json").read_text())
+    config = json.loads((directory / "config.json").read_text())
+    items = pd.read_parquet(directory / "items.parquet")
+    return RunResults(directory, summary, config, items)
+
+
+def check_same_model(runs: list[RunResults]) -> None:
+    """One gate decides for one reference model: runs of different models are refused."""
+    identities = {tuple((r.config.get("model") or {}).get(k) for k in _MODEL_IDENTITY): r for r in runs}
+    if len(identities) > 1:
+        names = sorted({f"{k[0]} ({k[2] or k[1]})" for k in identities})
+        raise GateInputError(f"the runs compare different reference models ({', '.join(names)}); gate one model's "
+                             "runs at a time: model=<name> picks them, or pass each run directory separately")
+
+
+def check_config(cfg: GateConfig) -> None:
+    """Margins and levels in range, before any file is read."""
+    for name, value in [("gate.margin", cfg.margin), *((f"gate.margins.{k}", v) for k, v in cfg.margins.items())]:
+        if value is not None and not 0 < value < 1:
+            raise GateInputError(f"{name}={value!r} must lie in (0, 1): a fraction of accuracy, 0.02 = 2 points")
+    if not 0 < cfg.alpha < 1:
+        raise GateInputError(f"gate.alpha={cfg.alpha!r} must lie in (0, 1), e.g. 0.05")
+    if cfg.correction not in (None, "holm", "bh", "none"):
+        raise GateInputError(f"gate.correction={cfg.correction!r}: use holm, bh or none (or leave it unset for "
+                             "the run's compare.correction)")
+    if cfg.min_items < 1 or cfg.min_clusters < 2:
+        raise GateInputError(f"gate.min_items={cfg.min_items} must be >= 1 and gate.min_clusters={cfg.min_clusters} "
+                             ">= 2 (a clustered SE needs two clusters)")
+    for name, value in [("gate.mc_chance", cfg.mc_chance), *((f"gate.chance.{k}", v) for k, v in cfg.chance.items())]:
+        if not 0 <= value < 1:
+            raise GateInputError(f"{name}={value!r} must lie in [0, 1): the accuracy of guessing")
+
+
+def check_slice_names(cfg: GateConfig, runs: list[RunResults]) -> None:
+    """Per-slice settings must name slices that some run has (a typo would silently use the default)."""
+    present = set().union(*(set(r.items["slice"].unique()) for r in runs))
+    named = {f"gate.{group}": set(getattr(cfg, group)) for group in ("margins", "chance", "token_slices")}
+    named["gate.slices"] = set(cfg.slices)
+    for group, slices in named.items():
+        unknown = sorted(slices - present)
+        if unknown:
+            raise GateInputError(f"{group} names slice(s) {unknown} that no gated run has; the runs' slices: "
+                                 f"{', '.join(sorted(present))}")
+
+
+# ------------------------------------------------------------------------------- decisions
+def _fmt(value: Any, spec: str = ".3f") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "nan"
+    return format(value, spec)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, (np.floating, float)):
+        return None if math.isnan(float(value)) else float(value)
+    if isinstance(value, np.bool_):
+        return bool(value)
+    return value
+
+
+def slice_chance(cfg: GateConfig, slice_name: str, items: pd.DataFrame) -> float:
+    """Accuracy of guessing: gate.chance[slice], else mc_chance per multiple-choice item (0 generative)."""
+    if slice_name in cfg.chance:
+        return float(cfg.chance[slice_name])
+    return float(np.mean(np.where(items["output_type"] == "multiple_choice", cfg.mc_chance, 0.0)))
+
+
+def accuracy_criteria(run: RunResults, cfg: GateConfig) -> list[Criterion]:
+    """The non-inferiority decision of every gated slice of one run (corrected across those slices)."""
+    compare = run.config.get("compare", {})
+    default_margin = cfg.margin if cfg.margin is not None else float(compare.get("margin", 0.02))
+    correction = cfg.correction or compare.get("correction", "holm")
+    items = run.items
+    slices = [s for s in sorted(items["slice"].unique()) if not cfg.slices or s in cfg.slices]
+    rows = []
+    for name in slices:
+        group = items[items["slice"] == name]
+        margin = float(cfg.margins.get(name, default_margin))
+        # The same call (and bootstrap seed) as the run's own per-slice row in item_stats, at this margin.
+        row = stats.compare_frame(group, by=["slice"], cluster_col="cluster", n_resamples=int(compare.get("n_resamples", 2000)),
+                                  seed=int(compare.get("seed", 0)), ci_level=float(compare.get("ci_level", 0.95)),
+                                  margin=margin, alpha=cfg.alpha, correction="none").iloc[0].to_dict()
+        scores = np.concatenate([group["correct_ref"].to_numpy(float), group["correct_quant"].to_numpy(float)])
+        row["binary"] = bool(np.all((scores == 0) | (scores == 1)))
+        row["chance"] = slice_chance(cfg, name, group)
+        rows.append(row)
+    if not rows:
+        return []
+    p_ni = np.array([np.nan if r["noninferiority_p"] is None else r["noninferiority_p"] for r in rows], dtype=float)
+    p_ni_adj = stats.adjust_pvalues(p_ni, correction)
+    p_inf_adj = stats.adjust_pvalues(1.0 - p_ni, correction)  # H0 Δ >= -margin: the same t statistic
+    mcnemar_adj = stats.adjust_pvalues(np.array([r["mcnemar_p"] for r in rows], dtype=float), correction)
+    return [_accuracy_decision(row, cfg, correction, float(a), float(b), float(c))
+            for row, a, b, c in zip(rows, p_ni_adj, p_inf_adj, mcnemar_adj)]
+
+
+def _accuracy_decision(row: dict[str, Any], cfg: GateConfig, correction: str, p_ni_adj: float, p_inf_adj: float,
+                       mcnemar_adj: float) -> Criterion:
+    margin, n, clusters = float(row["margin"]), int(row["n"]), int(row["n_clusters"])
+    headroom = float(row["acc_ref"]) - row["chance"]
+    significant_drop = row["delta_ci_high"] < 0 and (mcnemar_adj < cfg.alpha or not row["binary"]) and clusters >= 2
+    noninferior = p_ni_adj < cfg.alpha
+    reasons: list[str] = []
+    if n < cfg.min_items:
+        reasons.append(f"too few items ({n} < gate.min_items={cfg.min_items})")
+    if clusters < cfg.min_clusters:
+        reasons.append(f"too few clusters ({clusters} < gate.min_clusters={cfg.min_clusters})")
+    if reasons:
+        outcome = INCONCLUSIVE
+    elif p_inf_adj < cfg.alpha:
+        outcome, reasons = FAIL, [f"worse beyond the margin (inferiority p_adj={_fmt(p_inf_adj, '.3g')})"]
+    elif significant_drop and not noninferior:
+        outcome, reasons = FAIL, [f"significant drop (McNemar p_adj={_fmt(mcnemar_adj, '.3g')}) and non-inferiority "
+                                  f"not shown (p_adj={_fmt(p_ni_adj, '.3g')})"]
+    elif headroom < cfg.min_headroom:
+        outcome = INCONCLUSIVE
+        reasons = [f"reference near floor/chance (acc_ref {row['acc_ref']:.3f} - chance {row['chance']:.3f} = "
+                   f"{headroom:.3f} < gate.min_headroom={cfg.min_headroom}): it cannot show a loss"]
+    elif noninferior:
+        outcome = PASS
+    else:
+        outcome = INCONCLUSIVE
+        reasons = [f"non-inferiority not shown (p_adj={_fmt(p_ni_adj, '.3g')})"]
+        if row["mde"] > margin:
+            reasons.append(f"MDE {row['mde']:.3f} exceeds the margin {margin:.3f}")
+    # More items settle it unless the reference is at the floor or the items sit in too few clusters.
+    settles = outcome == INCONCLUSIVE and headroom >= cfg.min_headroom and clusters >= cfg.min_clusters
+    numbers = {key: _plain(row[key]) for key in ("n", "n_clusters", "acc_ref", "acc_quant", "delta", "delta_ci_low",
+                                                 "delta_ci_high", "delta_se", "flips_right_to_wrong",
+                                                 "flips_wrong_to_right", "mcnemar_p", "noninferiority_p", "mde")}
+    numbers.update({"margin": margin, "alpha": cfg.alpha, "correction": correction, "chance": row["chance"],
+                    "headroom": headroom, "noninferiority_p_adj": _plain(p_ni_adj),
+                    "inferiority_p_adj": _plain(p_inf_adj), "mcnemar_p_adj": _plain(mcnemar_adj),
+                    "n_needed": _plain(row["n_needed"]) if settles else None})
+    message = (f"{outcome}: delta {100 * row['delta']:+.1f} pt [{100 * row['delta_ci_low']:+.1f}, "
+               f"{100 * row['delta_ci_high']:+.1f}] vs margin -{100 * margin:.1f} pt; acc_ref {row['acc_ref']:.3f}, "
+               f"n={n}, clusters={clusters}, non-inferiority p_adj={_fmt(p_ni_adj, '.3g')} ({correction}), "
+               f"MDE {100 * row['mde']:.1f} pt" + (f", n_needed={numbers['n_needed']}" if settles else "")
+               + ("; " + "; ".join(reasons) if reasons else ""))
+    return Criterion(str(row["slice"]), "accuracy_noninferiority", outcome, message, reasons, numbers)
+
+
+def token_criteria(run: RunResults, cfg: GateConfig, slices: list[str]) -> list[Criterion]:
+    """``<slice>/kl_mean <= kl_mean_max`` and ``<slice>/top1_agree >= top1_agree_min`` where set."""
+    metrics = run.summary.get("metrics", {})
+    out = []
+    for name in slices:
+        limits = cfg.token_slices.get(name, TokenGateConfig())
+        kl_max = limits.kl_mean_max if limits.kl_mean_max is not None else cfg.token.kl_mean_max
+        top1_min = limits.top1_agree_min if limits.top1_agree_min is not None else cfg.token.top1_agree_min
+        for metric, limit, ok in (("kl_mean", kl_max, lambda v, lim: v <= lim),
+                                  ("top1_agree", top1_min, lambda v, lim: v >= lim)):
+            if limit is None:
+                continue
+            value = metrics.get(f"{name}/{metric}")
+            relation = "<=" if metric == "kl_mean" else ">="
+            if value is None:
+                out.append(Criterion(name, metric, INCONCLUSIVE, f"inconclusive: no {name}/{metric} in summary.json "
+                                     "(the slice scored no divergence texts)", ["no token data"], {"limit": limit}))
+                continue
+            outcome = PASS if ok(value, limit) else FAIL
+            se = metrics.get(f"{name}/{metric}_se")
+            out.append(Criterion(name, metric, outcome, f"{outcome}: {metric} {value:.4g}"
+                                 + (f" (se {se:.2g})" if se is not None else "") + f", required {relation} {limit:g}",
+                                 [] if outcome == PASS else [f"{metric} {value:.4g} not {relation} {limit:g}"],
+                                 {"value": value, "se": se, "limit": limit}))
+    return out
+
+
+def decide_run(run: RunResults, cfg: GateConfig) -> RunDecision:
+    accuracy = accuracy_criteria(run, cfg)
+    slices = [c.slice for c in accuracy]
+    tokens = token_criteria(run, cfg, slices)
+    order = {s: i for i, s in enumerate(slices)}
+    criteria = sorted(accuracy + tokens, key=lambda c: order[c.slice])
+    return RunDecision(str(run.summary.get("run_name", run.directory.name)), str(run.directory),
+                       str(run.summary.get("model", "")), str(run.summary.get("scheme", "")), criteria)
+
+
+def decide(paths: list[Path], cfg: GateConfig, model: str | None = None, sweep: str | None = None) -> GateDecision:
+    """Gate every finished run under ``paths`` (all of one reference model; ``model`` picks one by name,
+    ``sweep`` the runs tagged with that ``harness.sweep_id``)."""
+    check_config(cfg)
+    if not paths:
+        raise GateInputError("no results given; usage: python -m harness.gate results/<run> [gate.margin=0.02 ...]")
+    directories = [d for path in paths for d in find_runs(Path(path))]
+    if model is not None:
+        names = {d: json.loads((d / "config.json").read_text()).get("model", {}).get("name")
+                 for d in directories if (d / "config.json").exists()}
+        directories = [d for d in directories if names.get(d) == model]
+        if not directories:
+            raise GateInputError(f"no run of model {model!r} under {', '.join(map(str, paths))}; models there: "
+                                 f"{', '.join(sorted(filter(None, set(names.values())))) or 'none'}")
+    runs = [load_run(d) for d in directories]
+    if sweep is not None:
+        ids = {str(r.summary.get("tags", {}).get(SWEEP_TAG, "")) for r in runs}
+        runs = [r for r in runs if str(r.summary.get("tags", {}).get(SWEEP_TAG, "")) == sweep]
+        if not runs:
+            raise GateInputError(f"no run tagged {SWEEP_TAG}={sweep!r}; sweep ids there: "
+                                 f"{', '.join(sorted(filter(None, ids))) or 'none'}")
+    check_same_model(runs)
+    check_slice_names(cfg, runs)
+    return GateDecision([decide_run(r, cfg) for r in runs], OmegaConf.to_container(OmegaConf.structured(cfg)))
+
+
+# --------------------------------------------------------------------------------- outputs
+def junit_xml(decision: GateDecision) -> str:
+    """JUnit XML: a testsuite per run, a testcase per slice and criterion; inconclusive is skipped."""
+    root = ET.Element("testsuites", name="harness.gate")
+    totals = {"tests": 0, "failures": 0, "skipped": 0}
+    for run in decision.runs:
+        suite = ET.SubElement(root, "testsuite", name=run.run_name)
+        counts = {"tests": len(run.criteria), "failures": 0, "skipped": 0}
+        for c in run.criteria:
+            case = ET.SubElement(suite, "testcase", classname=f"{run.run_name}.{c.slice}", name=c.criterion)
+            if c.outcome == FAIL:
+                ET.SubElement(case, "failure", message=c.message, type="gate.fail").text = c.message
+                counts["failures"] += 1
+            elif c.outcome == INCONCLUSIVE:
+                ET.SubElement(case, "skipped", message=c.message)
+                counts["skipped"] += 1
+            ET.SubElement(case, "system-out").text = json.dumps(c.numbers, sort_keys=True)
+        for key, value in counts.items():
+            suite.set(key, str(value))
+            totals[key] += value
+        suite.set("errors", "0")
+    for key, value in totals.items():
+        root.set(key, str(value))
+    root.set("errors", "0")
+    return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
+
+
+def table(decision: GateDecision) -> pd.DataFrame:
+    rows = []
+    for run in decision.runs:
+        for c in run.criteria:
+            x = c.numbers
+            if c.criterion == "accuracy_noninferiority":
+                detail = (f"Δ {100 * x['delta']:+.1f} [{100 * x['delta_ci_low']:+.1f}, {100 * x['delta_ci_high']:+.1f}] "
+                          f"m {100 * x['margin']:.1f}")
+                rows.append({"run": run.run_name, "slice": c.slice, "criterion": "accuracy", "outcome": c.outcome,
+                             "n": x["n"], "acc_ref": round(x["acc_ref"], 3), "detail": detail,
+                             "p_adj": _fmt(x["noninferiority_p_adj"], ".3g"), "mde_pt": round(100 * x["mde"], 1),
+                             "n_needed": x["n_needed"] if x["n_needed"] is not None else "",
+                             "why": "; ".join(c.reasons)})
+            else:
+                rows.append({"run": run.run_name, "slice": c.slice, "criterion": c.criterion, "outcome": c.outcome,
+                             "n": "", "acc_ref": "", "detail": c.message.split(": ", 1)[-1], "p_adj": "",
+                             "mde_pt": "", "n_needed": "", "why": "; ".join(c.reasons)})
+    return pd.DataFrame(rows)
+
+
+def write(decision: GateDecision, out: Path) -> tuple[Path, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "gate.json", decision.to_dict())
+    atomic_write_text(out / "gate.xml", junit_xml(decision))
+    return out / "gate.json", out / "gate.xml"
+
+
+def gate_results(results_dir: str | Path, gate_cfg: GateConfig) -> GateDecision:
+    """The pipeline's call at the end of a job: gate this run, write gate.json/gate.xml beside its results."""
+    decision = decide([Path(results_dir)], gate_cfg)
+    write(decision, Path(results_dir))
+    log.info("gate: %s\n%s", decision.outcome, table(decision).to_string(index=False))
+    return decision
+
+
+# ------------------------------------------------------------------------------------- CLI
+@dataclass
+class GateOptions:
+    paths: list[str] = field(default_factory=list, metadata={"help": "results/<run> dirs or directories of runs"})
+    gate: GateConfig = field(default_factory=GateConfig, metadata={"help": "gate.margin, gate.margins.<slice>, ..."})
+    out: Optional[str] = field(default=None, metadata={"help": "where gate.json/gate.xml go (default: the one path)"})
+    model: Optional[str] = field(default=None, metadata={"help": "gate only the runs of this model (conf/model name)"})
+    sweep: Optional[str] = field(default=None, metadata={"help": "gate only the runs of this harness.sweep_id"})
+
+
+TOOL = cli.Tool(prog="python -m harness.gate", positional="paths", options=GateOptions, bad_input_status=EXIT_BAD_INPUT,
+                summary="Deployment gate: per slice pass / fail / inconclusive from the paired non-inferiority test "
+                        "at the slice's margin. Exit 0 all pass, 1 any fail, 2 none fail but some inconclusive, "
+                        "3 bad input. Writes gate.json and gate.xml (JUnit).")
+
+
+def _body(parsed: cli.Parsed[GateOptions]) -> int:
+    options = parsed.options
+    assert options is not None
+    decision = decide([Path(p) for p in options.paths], options.gate, options.model, options.sweep)
+    if options.out:
+        out = Path(options.out)
+    elif len(options.paths) == 1:
+        out = Path(options.paths[0])
+    else:
+        raise GateInputError("several paths given: set out=<dir> for gate.json and gate.xml")
+    json_path, xml_path = write(decision, out)
+    shown = table(decision)
+    print(shown.to_markdown(index=False) if len(shown) else "(no slices gated)")
+    print(f"\ngate: {decision.outcome} (exit {decision.exit_code}); wrote {json_path} and {xml_path}")
+    return decision.exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.main(TOOL, _body, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,199 @@
+"""The deployment gate: each outcome on constructed results, exit codes, JUnit XML, bad input, a real run."""
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from scipy import stats as sps
+
+from harness import gate
+from harness.config import GateConfig, TokenGateConfig
+from tests.conftest import TINY_MATH
+
+MODEL = {"name": "m", "source": "hf", "path": "org/m", "gguf_file": None, "revision": None, "dtype": "float32"}
+COMPARE = {"n_resamples": 1000, "ci_level": 0.95, "seed": 0, "margin": 0.02, "correction": "holm"}
+
+
+def slice_items(name: str, ref: np.ndarray, quant: np.ndarray, clusters: np.ndarray | None = None,
+                output_type: str = "generate_until") -> pd.DataFrame:
+    n = len(ref)
+    return pd.DataFrame({
+        "item_id": [f"{name}-{i}" for i in range(n)], "slice": name, "task": f"t_{name}", "sub_slice": "all",
+        "cluster": [f"c{i}" for i in range(n)] if clusters is None else [f"c{c}" for c in clusters],
+        "output_type": output_type, "target": "x", "correct_ref": ref.astype(float),
+        "correct_quant": quant.astype(float)})
+
+
+def scores(n: int, ref_right: int, lost: int, gained: int) -> tuple[np.ndarray, np.ndarray]:
+    """ref right on the first ``ref_right`` items; quant loses ``lost`` of them and gains ``gained`` others."""
+    ref = np.zeros(n)
+    ref[:ref_right] = 1
+    quant = ref.copy()
+    quant[:lost] = 0
+    quant[ref_right:ref_right + gained] = 1
+    return ref, quant
+
+
+def write_run(directory: Path, items: pd.DataFrame, *, model: dict | None = None, metrics: dict | None = None,
+              scheme: str = "int4", sweep: str = "") -> Path:
+    directory.mkdir(parents=True)
+    items.to_parquet(directory / "items.parquet")
+    (directory / "config.json").write_text(json.dumps({"model": model or MODEL, "compare": COMPARE}))
+    (directory / "summary.json").write_text(json.dumps({"run_name": f"m/{scheme}/x", "model": "m", "scheme": scheme,
+                                                        "metrics": metrics or {},
+                                                        "tags": {"harness.sweep_id": sweep} if sweep else {}}))
+    return directory
+
+
+def outcome_of(decision: gate.GateDecision, slice_name: str, criterion: str = "accuracy_noninferiority") -> gate.Criterion:
+    (found,) = [c for c in decision.runs[0].criteria if c.slice == slice_name and c.criterion == criterion]
+    return found
+
+
+def test_each_outcome_on_constructed_slices(tmp_path):
+    items = pd.concat([
+        slice_items("same", *scores(400, 320, 2, 2)),  # Δ 0 with 4 discordant of 400: non-inferior at 2 pt
+        slice_items("broken", *scores(400, 320, 60, 0)),  # Δ -15 pt: worse beyond the margin
+        slice_items("noisy", *scores(60, 40, 6, 6)),  # Δ 0, 12 flips of 60: the MDE is far above 2 pt
+        slice_items("floor", *scores(400, 20, 0, 0)),  # reference right on 5%: cannot show a loss
+        slice_items("few", *scores(20, 16, 0, 0)),  # 20 items < min_items
+        slice_items("lumped", *scores(400, 320, 0, 0), clusters=np.arange(400) % 3),  # 3 clusters
+    ])
+    run = write_run(tmp_path / "run", items)
+    decision = gate.decide([run], GateConfig())
+    assert outcome_of(decision, "same").outcome == "pass"
+    assert outcome_of(decision, "broken").outcome == "fail"
+    noisy = outcome_of(decision, "noisy")
+    assert noisy.outcome == "inconclusive" and any("MDE" in r for r in noisy.reasons)
+    assert noisy.numbers["n_needed"] > 60  # more items would settle it, and the gate says how many
+    floor = outcome_of(decision, "floor")
+    assert floor.outcome == "inconclusive" and "floor" in floor.reasons[0] and floor.numbers["n_needed"] is None
+    assert "too few items" in outcome_of(decision, "few").reasons[0]
+    lumped = outcome_of(decision, "lumped")
+    assert "too few clusters" in lumped.reasons[0] and lumped.numbers["n_needed"] is None
+    assert decision.outcome == "fail" and decision.exit_code == 1
+
+
+def test_noninferiority_p_matches_an_independent_one_sided_t_test(tmp_path):
+    ref, quant = scores(400, 320, 5, 2)
+    run = write_run(tmp_path / "run", slice_items("s", ref, quant))
+    found = outcome_of(gate.decide([run], GateConfig(margin=0.03)), "s")
+    expected = sps.ttest_1samp(quant - ref + 0.03, 0.0, alternative="greater").pvalue  # items are their own clusters
+    assert found.numbers["noninferiority_p"] == pytest.approx(expected, rel=1e-9)
+    assert found.numbers["noninferiority_p_adj"] == pytest.approx(expected, rel=1e-9)  # one slice: Holm = raw
+
+
+def test_the_correction_can_turn_two_passes_into_inconclusive(tmp_path):
+    ref, quant = scores(200, 160, 3, 3)
+    items = pd.concat([slice_items("a", ref, quant), slice_items("b", ref, quant)])
+    run = write_run(tmp_path / "run", items)
+    margin = 0.022
+    raw = sps.ttest_1samp(quant - ref + margin, 0.0, alternative="greater").pvalue
+    assert raw < 0.05 < 2 * raw  # the construction: passes alone, not after Holm over two slices
+    uncorrected = gate.decide([run], GateConfig(margin=margin, correction="none"))
+    holm = gate.decide([run], GateConfig(margin=margin))  # the run's compare.correction: holm
+    assert uncorrected.outcome == "pass"
+    assert holm.outcome == "inconclusive"
+    assert outcome_of(holm, "a").numbers["noninferiority_p_adj"] == pytest.approx(2 * raw, rel=1e-9)
+
+
+def test_per_slice_margin_overrides_the_default(tmp_path):
+    ref, quant = scores(400, 320, 14, 2)  # Δ -3 pt
+    run = write_run(tmp_path / "run", slice_items("s", ref, quant))
+    assert gate.decide([run], GateConfig()).outcome == "fail"
+    assert gate.decide([run], GateConfig(margins={"s": 0.10})).outcome == "pass"
+
+
+def test_token_gates_per_slice(tmp_path):
+    ref, quant = scores(400, 320, 2, 2)
+    metrics = {"s/kl_mean": 0.08, "s/kl_mean_se": 0.01, "s/top1_agree": 0.91}
+    run = write_run(tmp_path / "run", slice_items("s", ref, quant), metrics=metrics)
+    ok = gate.decide([run], GateConfig(token=TokenGateConfig(kl_mean_max=0.1, top1_agree_min=0.9)))
+    assert [c.outcome for c in ok.runs[0].criteria] == ["pass", "pass", "pass"]
+    strict = gate.decide([run], GateConfig(token_slices={"s": TokenGateConfig(kl_mean_max=0.05)}))
+    kl = outcome_of(strict, "s", "kl_mean")
+    assert kl.outcome == "fail" and "0.08" in kl.message and strict.exit_code == 1
+
+
+def test_cli_exit_codes_and_junit_xml(tmp_path, capsys):
+    passing = write_run(tmp_path / "pass", slice_items("s", *scores(400, 320, 2, 2)))
+    failing = write_run(tmp_path / "fail", slice_items("s", *scores(400, 320, 60, 0)))
+    unsure = write_run(tmp_path / "unsure", slice_items("s", *scores(60, 40, 6, 6)))
+    assert gate.main([str(passing)]) == 0
+    assert gate.main([str(failing)]) == 1
+    assert gate.main([str(unsure)]) == 2
+    out = capsys.readouterr().out
+    assert "n_needed" in out and "inconclusive" in out
+
+    root = ET.parse(failing / "gate.xml").getroot()
+    assert root.tag == "testsuites" and root.get("failures") == "1" and root.get("tests") == "1"
+    (case,) = root.iter("testcase")
+    assert case.get("classname") == "m/int4/x.s" and case.get("name") == "accuracy_noninferiority"
+    assert "-15.0 pt" in case.find("failure").get("message")
+    skipped = ET.parse(unsure / "gate.xml").getroot()
+    assert skipped.get("skipped") == "1" and next(skipped.iter("skipped")).get("message").startswith("inconclusive")
+    saved = json.loads((passing / "gate.json").read_text())
+    assert saved["outcome"] == "pass" and saved["runs"][0]["slices"] == {"s": "pass"}
+
+
+def test_sweep_directory_gates_every_run_and_takes_the_worst(tmp_path):
+    sweep = tmp_path / "results"
+    write_run(sweep / "a", slice_items("s", *scores(400, 320, 2, 2)), scheme="int8", sweep="night1")
+    write_run(sweep / "b", slice_items("s", *scores(400, 320, 60, 0)), scheme="int4", sweep="night2")
+    (sweep / "compare").mkdir()  # other outputs under results/ are not runs
+    assert gate.main([str(sweep)]) == 1
+    saved = json.loads((sweep / "gate.json").read_text())
+    assert [r["outcome"] for r in saved["runs"]] == ["pass", "fail"]
+    assert len(list(ET.parse(sweep / "gate.xml").getroot().iter("testsuite"))) == 2
+    assert gate.main([str(sweep), "sweep=night1"]) == 0  # one sweep's runs, by harness.sweep_id
+    assert gate.main([str(sweep), "sweep=night3"]) == gate.EXIT_BAD_INPUT
+
+
+def test_bad_input_is_refused_with_a_clear_message(tmp_path, capsys):
+    items = slice_items("s", *scores(400, 320, 2, 2))
+    run = write_run(tmp_path / "results" / "run", items)
+    for margin in ("0", "1.5", "-0.01"):
+        assert gate.main([str(run), f"gate.margin={margin}"]) == gate.EXIT_BAD_INPUT
+        assert "must lie in (0, 1)" in capsys.readouterr().err
+    assert gate.main([str(run), "gate.margins.s=1"]) == gate.EXIT_BAD_INPUT
+    assert gate.main([str(run), "gate.margins.typo=0.05"]) == gate.EXIT_BAD_INPUT
+    assert "no gated run has" in capsys.readouterr().err
+
+    other = write_run(tmp_path / "results" / "other", items, model={**MODEL, "name": "n", "path": "org/n"})
+    assert gate.main([str(run), str(other), f"out={tmp_path}"]) == gate.EXIT_BAD_INPUT
+    assert "different reference models" in capsys.readouterr().err
+    assert gate.main([str(tmp_path / "results"), "model=m"]) == 0  # picking one model's runs is the fix
+    assert gate.main([str(tmp_path / "results"), "model=zz"]) == gate.EXIT_BAD_INPUT
+    assert "models there: m, n" in capsys.readouterr().err
+
+    (other / "summary.json").unlink()  # as an interrupted job leaves it
+    assert gate.main([str(other)]) == gate.EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "not a finished run" in err and "summary.json" in err and err.count("\n") == 1
+    assert gate.main([str(tmp_path / "nothing-here")]) == gate.EXIT_BAD_INPUT
+
+
+def test_gate_on_a_real_tiny_random_run_reproduces_its_statistics(make_cfg, tmp_path):
+    from harness import run as run_mod
+
+    result = run_mod.run(make_cfg(*TINY_MATH, "slices.math.n_items=40", "quant=int4_g128", "tracking.enabled=false"))
+    (directory,) = [p for p in (tmp_path / "results").iterdir() if p.is_dir()]
+    assert result["run_key"][:8] in directory.name
+    default = gate.gate_results(directory, GateConfig())
+    math_row = outcome_of(default, "math")
+    assert math_row.outcome == "inconclusive"  # random weights: the reference is at the floor
+    # With the floor check off the decision rests on the paired test; its Δ and CI are the run's own.
+    decision = gate.decide([directory], GateConfig(min_headroom=-1.0, min_items=1, min_clusters=2))
+    numbers = outcome_of(decision, "math").numbers
+    stats_row = pd.read_parquet(directory / "item_stats.parquet").query("level == 'slice' and slice == 'math'").iloc[0]
+    assert numbers["delta"] == pytest.approx(stats_row["delta"])
+    assert (numbers["delta_ci_low"], numbers["delta_ci_high"]) == pytest.approx(
+        (stats_row["delta_ci_low"], stats_row["delta_ci_high"]))
+    assert numbers["n"] == stats_row["n"]
+    root = ET.parse(directory / "gate.xml").getroot()
+    assert root.get("tests") == str(len(default.runs[0].criteria))
+    assert json.loads((directory / "gate.json").read_text())["exit_code"] == default.exit_code

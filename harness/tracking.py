@@ -8,9 +8,12 @@ idempotent: a finished MLflow run tagged with the same run key is reused, never 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import logging
+import math
 import os
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -67,6 +70,65 @@ def flatten_config(config: dict) -> dict[str, str]:
     return {k[:250]: v[:6000] for k, v in out.items()}
 
 
+def ensure_experiment(client: Any, name: str) -> str:
+    """The id of experiment ``name``, created when missing."""
+    exp = client.get_experiment_by_name(name)
+    return exp.experiment_id if exp else client.create_experiment(name)
+
+
+# Stages of run.py's timings that end after ``finished_at`` is stamped; ``model_*`` entries
+# are sub-timings of the ``load`` stage (counted there).
+_AFTER_FINISH = ("write", "logging")
+
+
+def _epoch_seconds(value: Any) -> float | None:
+    """Epoch seconds from a number, a numeric string or an ISO-8601 time; None when unusable."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        text = str(value).strip()
+        try:
+            seconds = float(text)
+        except ValueError:
+            try:
+                stamp = datetime.datetime.fromisoformat(text)
+            except ValueError:
+                return None
+            if stamp.tzinfo is None:  # a naive time is the machine's local time, as time.strftime wrote it
+                stamp = stamp.astimezone()
+            seconds = stamp.timestamp()
+    return seconds if math.isfinite(seconds) and seconds > 0 else None
+
+
+def job_times(summary: Mapping[str, Any]) -> tuple[float | None, float | None]:
+    """(start, end) of the job in epoch seconds, read from its summary; None where unknown.
+
+    Preferred: ``started_at`` and ``ended_at`` (epoch seconds, or ISO-8601 strings), written by
+    the job itself. Older summaries have only ``finished_at`` (stamped just before the results
+    are written, one-second resolution) and the stage durations in ``timings``: the start is
+    ``finished_at`` less the stages that ran before it, the end ``finished_at`` plus ``write``.
+    A start after the end is discarded. MLflow falls back to the logging time for a None.
+    """
+    timings = {k: float(v) for k, v in (summary.get("timings") or {}).items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0}
+    before = sum(v for k, v in timings.items() if not k.startswith("model_") and k not in _AFTER_FINISH)
+    finished = _epoch_seconds(summary.get("finished_at"))
+    start = _epoch_seconds(summary.get("started_at"))
+    end = _epoch_seconds(summary.get("ended_at"))
+    if end is None and finished is not None:
+        end = finished + timings.get("write", 0.0)
+    if start is None and finished is not None and timings:
+        start = finished - before
+    if end is None and start is not None and timings:
+        end = start + before + timings.get("write", 0.0)
+    if start is not None and end is not None and start > end:
+        log.warning("summary's start time %.0f is after its end %.0f; logging the end only", start, end)
+        start = None
+    return start, end
+
+
 def find_finished_run(client: Any, experiment_id: str, run_key: str, sweep_id: str | None = None) -> str | None:
     """A finished run of this config; with ``sweep_id``, only one logged for that sweep."""
     runs = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'",
@@ -109,17 +171,18 @@ def _log_results(result_dir: str | os.PathLike, *, uri: str, experiment: str,
     ``tags`` override the tags saved with the results: a later sweep that reuses a finished
     config passes its own ``harness.sweep_id`` and gets a run in its sweep (results logged
     from the same directory, not recomputed). Within one sweep, a config is logged once.
+    The run carries the job's own start and end times (:func:`job_times`), not the moment
+    it was logged, so its duration is the job's.
     """
-    import mlflow
+    from mlflow.entities import Metric, Param
     from mlflow.tracking import MlflowClient
+    from mlflow.tracking.context.registry import resolve_tags
 
     result_dir = Path(result_dir)
     summary = json.loads((result_dir / "summary.json").read_text())
     config = json.loads((result_dir / "config.json").read_text())
-    mlflow.set_tracking_uri(uri)
     client = MlflowClient(tracking_uri=uri)
-    exp = client.get_experiment_by_name(experiment)
-    experiment_id = exp.experiment_id if exp else client.create_experiment(experiment)
+    experiment_id = ensure_experiment(client, experiment)
     tags = {RUN_KEY_TAG: summary["run_key"], "model": summary["model"], "scheme": summary["scheme"],
             "slices": ",".join(summary["slices"]), "method": summary.get("method", ""),
             **{k: str(v) for k, v in summary.get("tags", {}).items()},
@@ -128,15 +191,27 @@ def _log_results(result_dir: str | os.PathLike, *, uri: str, experiment: str,
     if existing:
         log.info("MLflow already has finished run %s for this config; not logging twice", existing)
         return existing
-    with mlflow.start_run(experiment_id=experiment_id, run_name=summary["run_name"], tags=tags) as run:
-        params = flatten_config(config)
-        items = list(params.items())
-        for start in range(0, len(items), 100):
-            mlflow.log_params(dict(items[start:start + 100]))
+    started, ended = job_times(summary)
+    start_ms = None if started is None else int(round(started * 1000))
+    end_ms = None if ended is None else int(round(ended * 1000))
+    run = client.create_run(experiment_id, start_time=start_ms, run_name=summary["run_name"],
+                            tags=resolve_tags(tags))
+    run_id = run.info.run_id
+    try:
+        params = [Param(k, v) for k, v in flatten_config(config).items()]
         metrics = {k: float(v) for k, v in summary["metrics"].items()}
         metrics.update({f"time/{k}": float(v) for k, v in summary.get("timings", {}).items()})
         metrics.update({f"quant/{k}": float(v) for k, v in summary.get("quant", {}).items()
                         if isinstance(v, (int, float)) and abs(float(v)) != float("inf")})
-        mlflow.log_metrics(metrics)
-        mlflow.log_artifacts(str(result_dir))
-        return run.info.run_id
+        stamp = end_ms if end_ms is not None else int(time.time() * 1000)
+        rows = [Metric(k, v, stamp, 0) for k, v in metrics.items()]
+        for begin in range(0, len(params), 100):
+            client.log_batch(run_id, params=params[begin:begin + 100])
+        for begin in range(0, len(rows), 1000):
+            client.log_batch(run_id, metrics=rows[begin:begin + 1000])
+        client.log_artifacts(run_id, str(result_dir))
+    except BaseException:
+        client.set_terminated(run_id, "FAILED")
+        raise
+    client.set_terminated(run_id, "FINISHED", end_time=end_ms)
+    return run_id

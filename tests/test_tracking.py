@@ -1,0 +1,108 @@
+"""MLflow logging from a results directory: the job's own times, the experiment kind, one
+dataset input per slice. Results directories are written here by hand, in the layout
+run.py writes (summary.json, config.json, items.parquet), so each test says what it logs.
+"""
+from __future__ import annotations
+
+import calendar
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import pandas as pd
+import pytest
+
+from harness import tracking
+
+FINISHED_AT = "2026-11-29T14:13:57+0000"
+FINISHED_EPOCH = calendar.timegm((2026, 11, 29, 14, 13, 57, 0, 0, 0))
+TIMINGS = {"load": 2.0, "model_load_s": 1.9, "reference": 43.25, "quantize": 1.5, "evaluate": 36.75,
+           "divergence": 5.5, "write": 0.25, "logging": 3.0}
+BEFORE_FINISH = 2.0 + 43.25 + 1.5 + 36.75 + 5.5  # every stage but model_* (inside load), write, logging
+
+
+def write_result_dir(root: Path, scheme: str = "int4_g128", *, slices: dict[str, int] | None = None,
+                     metrics: dict[str, float] | None = None, **summary_fields: Any) -> Path:
+    """A finished results directory with ``slices`` ({name: number of items}) in items.parquet."""
+    slices = slices or {"math": 6, "code": 4}
+    directory = root / f"tiny__{scheme}"
+    directory.mkdir(parents=True)
+    rows = [{"item_id": f"{name}_task/{name}-{i:03d}", "slice": name, "task": f"{name}_task",
+             "sub_slice": f"level={i % 2}", "cluster": f"c{i // 2}", "target": str(i),
+             "correct_ref": float(i % 2), "correct_quant": float(i % 3 == 0)}
+            for name, n in slices.items() for i in range(n)]
+    pd.DataFrame(rows).to_parquet(directory / "items.parquet", index=False)
+    summary = {"run_key": f"key-{scheme}", "run_name": f"tiny/{scheme}", "model": "tiny_random", "scheme": scheme,
+               "method": "rtn", "slices": list(slices), "tags": {},
+               "metrics": metrics or {"overall/acc_delta": -0.1, "overall/kl_mean": 0.02,
+                                      "overall/flips_right_to_wrong": 3.0},
+               "timings": dict(TIMINGS), "quant": {"bits_per_weight": 4.125}, "finished_at": FINISHED_AT,
+               **summary_fields}
+    (directory / "summary.json").write_text(json.dumps(summary))
+    (directory / "config.json").write_text(json.dumps({"quant": {"name": scheme}, "model": {"name": "tiny_random"}}))
+    return directory
+
+
+@pytest.fixture
+def uri(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+def only_run(uri: str, experiment: str = "exp") -> Any:
+    client = mlflow.tracking.MlflowClient(tracking_uri=uri)
+    [run] = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    return run
+
+
+# -- the job's start and end times ---------------------------------------------------------------
+
+def test_explicit_start_and_end_are_used_as_written():
+    assert tracking.job_times({"started_at": 1_790_000_000.25, "ended_at": 1_790_000_900.5,
+                               "finished_at": FINISHED_AT, "timings": TIMINGS}) == (1_790_000_000.25, 1_790_000_900.5)
+    assert tracking.job_times({"started_at": "2026-11-29T14:00:00+00:00", "ended_at": "1795961000.5"}) == (
+        calendar.timegm((2026, 11, 29, 14, 0, 0, 0, 0, 0)), 1_795_961_000.5)
+
+
+def test_older_summaries_give_times_from_finished_at_and_the_stage_durations():
+    start, end = tracking.job_times({"finished_at": FINISHED_AT, "timings": TIMINGS})
+    assert end == pytest.approx(FINISHED_EPOCH + 0.25)
+    assert start == pytest.approx(FINISHED_EPOCH - BEFORE_FINISH)
+    # Only a start: the end is the start plus every stage up to the written results.
+    start, end = tracking.job_times({"started_at": 1_790_000_000, "timings": TIMINGS})
+    assert (start, end) == (1_790_000_000, pytest.approx(1_790_000_000 + BEFORE_FINISH + 0.25))
+
+
+@pytest.mark.parametrize("summary", [
+    {},
+    {"finished_at": "yesterday", "timings": TIMINGS},
+    {"started_at": None, "ended_at": float("nan"), "timings": {"load": "slow"}},
+    {"started_at": True, "ended_at": -5},
+])
+def test_unusable_times_are_left_to_mlflow(summary):
+    assert tracking.job_times(summary) == (None, None)
+
+
+def test_a_start_after_the_end_is_dropped():
+    assert tracking.job_times({"started_at": 1_790_000_100, "ended_at": 1_790_000_000}) == (None, 1_790_000_000)
+
+
+def test_logged_run_spans_the_job_not_the_logging(tmp_path, uri):
+    directory = write_result_dir(tmp_path / "results", started_at=1_790_000_000.0, ended_at=1_790_000_725.5)
+    run_id = tracking.log_results(directory, uri=uri, experiment="exp")
+    run = only_run(uri)
+    assert run.info.run_id == run_id and run.info.status == "FINISHED"
+    assert (run.info.start_time, run.info.end_time) == (1_790_000_000_000, 1_790_000_725_500)
+    assert run.data.metrics["overall/acc_delta"] == -0.1 and run.data.metrics["time/evaluate"] == 36.75
+    assert run.data.params["quant.name"] == "int4_g128"
+    assert run.data.tags["scheme"] == "int4_g128" and run.data.tags[tracking.RUN_KEY_TAG] == "key-int4_g128"
+    assert tracking.log_results(directory, uri=uri, experiment="exp") == run_id  # idempotent, still one run
+    only_run(uri)
+
+
+def test_run_from_an_older_summary_lasts_as_long_as_its_stages(tmp_path, uri):
+    tracking.log_results(write_result_dir(tmp_path / "results"), uri=uri, experiment="exp")
+    run = only_run(uri)
+    assert run.info.end_time == round((FINISHED_EPOCH + 0.25) * 1000)
+    assert (run.info.end_time - run.info.start_time) / 1000 == pytest.approx(BEFORE_FINISH + 0.25, abs=1e-3)

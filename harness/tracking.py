@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 
 RUN_KEY_TAG = "harness.run_key"
 SWEEP_TAG = "harness.sweep_id"
+# MLflow 3 UI: which page an experiment opens on; this value is the classic runs table.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+CLASSIC_EXPERIMENT_KIND = "custom_model_development"
 
 
 class TrackingError(RuntimeError):
@@ -71,9 +74,19 @@ def flatten_config(config: dict) -> dict[str, str]:
 
 
 def ensure_experiment(client: Any, name: str) -> str:
-    """The id of experiment ``name``, created when missing."""
+    """The id of experiment ``name``, created when missing, marked for MLflow's classic run view.
+
+    MLflow 3's UI opens an experiment by its ``mlflow.experimentKind`` tag; without one it may
+    guess "GenAI apps & agents" and open the traces overview, where none of the harness's
+    runs, metrics or datasets show. An existing experiment without the tag gets it; one whose
+    kind someone chose (in the UI or by tag) is left alone.
+    """
     exp = client.get_experiment_by_name(name)
-    return exp.experiment_id if exp else client.create_experiment(name)
+    if exp is None:
+        return client.create_experiment(name, tags={EXPERIMENT_KIND_TAG: CLASSIC_EXPERIMENT_KIND})
+    if EXPERIMENT_KIND_TAG not in exp.tags:
+        client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, CLASSIC_EXPERIMENT_KIND)
+    return exp.experiment_id
 
 
 # Stages of run.py's timings that end after ``finished_at`` is stamped; ``model_*`` entries

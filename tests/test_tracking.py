@@ -106,3 +106,21 @@ def test_run_from_an_older_summary_lasts_as_long_as_its_stages(tmp_path, uri):
     run = only_run(uri)
     assert run.info.end_time == round((FINISHED_EPOCH + 0.25) * 1000)
     assert (run.info.end_time - run.info.start_time) / 1000 == pytest.approx(BEFORE_FINISH + 0.25, abs=1e-3)
+
+
+# -- the experiment opens on the classic runs table ----------------------------------------------
+
+def test_created_experiment_is_marked_for_the_classic_run_view(tmp_path, uri):
+    tracking.log_results(write_result_dir(tmp_path / "results"), uri=uri, experiment="exp")
+    client = mlflow.tracking.MlflowClient(tracking_uri=uri)
+    assert client.get_experiment_by_name("exp").tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+def test_existing_experiment_gets_the_kind_only_when_it_has_none(tmp_path, uri):
+    client = mlflow.tracking.MlflowClient(tracking_uri=uri)
+    client.create_experiment("untagged")
+    client.create_experiment("chosen", tags={"mlflow.experimentKind": "genai_development"})
+    for name in ("untagged", "chosen"):
+        tracking.log_results(write_result_dir(tmp_path / name), uri=uri, experiment=name)
+    assert client.get_experiment_by_name("untagged").tags["mlflow.experimentKind"] == "custom_model_development"
+    assert client.get_experiment_by_name("chosen").tags["mlflow.experimentKind"] == "genai_development"

@@ -17,7 +17,10 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +145,60 @@ def job_times(summary: Mapping[str, Any]) -> tuple[float | None, float | None]:
     return start, end
 
 
+# Columns of items.parquet that say which items a slice holds (not how a model did on them).
+_ITEM_COLUMNS = ("item_id", "task", "sub_slice", "cluster", "target")
+
+
+def slice_digest(items: pd.DataFrame) -> str:
+    """What a slice evaluated, in 16 hex digits: SHA-256 of its sorted ``item_id<TAB>target`` lines.
+
+    Independent of row order and of the models' answers, so two runs on the same items show
+    the same digest in MLflow's Dataset column, and a changed item or answer key a new one.
+    """
+    import hashlib
+
+    targets = items["target"].astype(str) if "target" in items else [""] * len(items)
+    lines = sorted(f"{item}\t{target}" for item, target in zip(items["item_id"].astype(str), targets))
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+def slice_datasets(result_dir: Path, slices: list[str], artifact_uri: str) -> list[Any]:
+    """One MLflow dataset input per slice: name, :func:`slice_digest`, size, item schema.
+
+    Read from the results' ``items.parquet`` (its source points at the run's copy of it);
+    results without one (written before it existed) log no datasets, with a warning.
+    """
+    import pandas as pd
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+    path = result_dir / "items.parquet"
+    if not path.exists():
+        log.warning("%s has no items.parquet; its slices are not logged as MLflow datasets", result_dir)
+        return []
+    import pyarrow.parquet as pq
+
+    present = set(pq.read_schema(path).names)
+    columns = [c for c in _ITEM_COLUMNS if c in present]
+    items = pd.read_parquet(path, columns=columns + (["slice"] if "slice" in present else []))
+    inputs = []
+    for name in slices:
+        rows = items.loc[items["slice"] == name, columns] if "slice" in items else items.iloc[0:0]
+        if rows.empty:
+            log.warning("slice %s has no items in %s; not logged as an MLflow dataset", name, path)
+            continue
+        profile = {"num_rows": len(rows), "num_elements": int(rows.size)}
+        for column in ("task", "sub_slice", "cluster"):
+            if column in rows:
+                profile[f"num_{column}s"] = int(rows[column].nunique())
+        schema = {"mlflow_colspec": [{"type": "string", "name": c, "required": True} for c in columns]}
+        source = {"uri": f"{artifact_uri.rstrip('/')}/items.parquet", "filter": f"slice == '{name}'"}
+        dataset = Dataset(name=name, digest=slice_digest(rows), source_type="harness_results",
+                          source=json.dumps(source), schema=json.dumps(schema), profile=json.dumps(profile))
+        inputs.append(DatasetInput(dataset, tags=[InputTag(MLFLOW_DATASET_CONTEXT, "eval")]))
+    return inputs
+
+
 def find_finished_run(client: Any, experiment_id: str, run_key: str, sweep_id: str | None = None) -> str | None:
     """A finished run of this config; with ``sweep_id``, only one logged for that sweep."""
     runs = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'",
@@ -222,6 +279,8 @@ def _log_results(result_dir: str | os.PathLike, *, uri: str, experiment: str,
             client.log_batch(run_id, params=params[begin:begin + 100])
         for begin in range(0, len(rows), 1000):
             client.log_batch(run_id, metrics=rows[begin:begin + 1000])
+        client.log_inputs(run_id, datasets=slice_datasets(result_dir, list(summary["slices"]),
+                                                          run.info.artifact_uri))
         client.log_artifacts(run_id, str(result_dir))
     except BaseException:
         client.set_terminated(run_id, "FAILED")

@@ -124,3 +124,45 @@ def test_existing_experiment_gets_the_kind_only_when_it_has_none(tmp_path, uri):
         tracking.log_results(write_result_dir(tmp_path / name), uri=uri, experiment=name)
     assert client.get_experiment_by_name("untagged").tags["mlflow.experimentKind"] == "custom_model_development"
     assert client.get_experiment_by_name("chosen").tags["mlflow.experimentKind"] == "genai_development"
+
+
+# -- each slice is a dataset input ---------------------------------------------------------------
+
+def reference_digest(ids_and_targets: list[tuple[str, str]]) -> str:
+    text = "\n".join(sorted(f"{item}\t{target}" for item, target in ids_and_targets))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def test_each_slice_is_logged_as_a_dataset_with_its_items_digest_and_size(tmp_path, uri):
+    directory = write_result_dir(tmp_path / "results", slices={"math": 6, "code": 4})
+    tracking.log_results(directory, uri=uri, experiment="exp")
+    run = only_run(uri)
+    datasets = {d.dataset.name: d for d in run.inputs.dataset_inputs}
+    assert set(datasets) == {"math", "code"}
+    for name, n in (("math", 6), ("code", 4)):
+        entry = datasets[name]
+        expected = reference_digest([(f"{name}_task/{name}-{i:03d}", str(i)) for i in range(n)])
+        assert entry.dataset.digest == expected
+        profile = json.loads(entry.dataset.profile)
+        assert profile["num_rows"] == n and profile["num_sub_slices"] == 2 and profile["num_clusters"] == (n + 1) // 2
+        assert [t.value for t in entry.tags if t.key == "mlflow.data.context"] == ["eval"]
+        assert json.loads(entry.dataset.source)["uri"] == f"{run.info.artifact_uri}/items.parquet"
+    assert datasets["math"].dataset.digest != datasets["code"].dataset.digest
+
+
+def test_digest_follows_the_items_not_their_order_or_the_answers():
+    items = pd.DataFrame({"item_id": ["a", "b", "c"], "target": ["1", "2", "3"], "correct_quant": [1.0, 0.0, 1.0]})
+    digest = tracking.slice_digest(items)
+    assert digest == reference_digest([("a", "1"), ("b", "2"), ("c", "3")])
+    assert tracking.slice_digest(items.iloc[::-1].assign(correct_quant=0.0)) == digest
+    assert tracking.slice_digest(items.assign(target=["1", "2", "4"])) != digest
+    assert tracking.slice_digest(items.iloc[:2]) != digest
+
+
+def test_results_without_items_log_no_datasets_but_still_log(tmp_path, uri, caplog):
+    directory = write_result_dir(tmp_path / "results")
+    (directory / "items.parquet").unlink()
+    tracking.log_results(directory, uri=uri, experiment="exp")
+    run = only_run(uri)
+    assert run.inputs.dataset_inputs == [] and run.info.status == "FINISHED"
+    assert "no items.parquet" in caplog.text

@@ -4,6 +4,18 @@ A run is logged only once its results are complete on disk, so a job killed mid-
 never leaves a half-logged MLflow run, and a job whose tracking server was down is
 logged later by ``python -m harness.sync`` with the very same function. Logging is
 idempotent: a finished MLflow run tagged with the same run key is reused, never duplicated.
+
+What a reviewer sees in the MLflow UI (3.17): each run spans the job's own start and end
+(:func:`job_times`); each slice is a dataset input, so the Dataset column reads
+``math (<digest>)`` (:func:`slice_datasets`); the experiment is tagged for the classic runs
+view. MLflow 3.17's UI picks its GenAI or "Model training" view from a global switch (the
+``workflowType`` URL parameter, else the browser's last choice, GenAI by default), so the
+links logged here (:func:`experiment_url`) carry ``workflowType=machine_learning``.
+
+A sweep's runs share the tag ``harness.sweep_id`` (see :mod:`harness.sweep`); there is no
+parent run, so every run stays a plain, comparable job and parallel jobs never race to
+create one. To group them: *Group by* -> ``harness.sweep_id`` in the runs table; to see one
+sweep: the link logged with its first run, or the filter ``tags.`harness.sweep_id` = '<id>'``.
 """
 from __future__ import annotations
 
@@ -15,6 +27,7 @@ import math
 import os
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
@@ -199,6 +212,19 @@ def slice_datasets(result_dir: Path, slices: list[str], artifact_uri: str) -> li
     return inputs
 
 
+def experiment_url(uri: str, experiment_id: str, sweep_id: str | None = None) -> str:
+    """The runs table of an experiment in the MLflow UI, in its classic view (one sweep with ``sweep_id``).
+
+    For a store that is not a server (an SQLite file), the address ``mlflow ui
+    --backend-store-uri <uri>`` serves by default.
+    """
+    base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
+    query = {"workflowType": "machine_learning"}
+    if sweep_id:
+        query["searchFilter"] = f"tags.`{SWEEP_TAG}` = '{sweep_id}'"
+    return f"{base}/#/experiments/{experiment_id}/runs?{urllib.parse.urlencode(query, quote_via=urllib.parse.quote)}"
+
+
 def find_finished_run(client: Any, experiment_id: str, run_key: str, sweep_id: str | None = None) -> str | None:
     """A finished run of this config; with ``sweep_id``, only one logged for that sweep."""
     runs = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'",
@@ -286,4 +312,6 @@ def _log_results(result_dir: str | os.PathLike, *, uri: str, experiment: str,
         client.set_terminated(run_id, "FAILED")
         raise
     client.set_terminated(run_id, "FINISHED", end_time=end_ms)
+    where = "" if uri.startswith(("http://", "https://")) else f" (after `mlflow ui --backend-store-uri {uri}`)"
+    log.info("MLflow runs table%s: %s", where, experiment_url(uri, experiment_id, tags.get(SWEEP_TAG)))
     return run_id

@@ -7,6 +7,7 @@ from __future__ import annotations
 import calendar
 import hashlib
 import json
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -166,3 +167,31 @@ def test_results_without_items_log_no_datasets_but_still_log(tmp_path, uri, capl
     run = only_run(uri)
     assert run.inputs.dataset_inputs == [] and run.info.status == "FINISHED"
     assert "no items.parquet" in caplog.text
+
+
+# -- links to the runs table, and a sweep's runs ---------------------------------------------------
+
+def test_experiment_link_opens_the_classic_runs_table_and_filters_a_sweep():
+    assert tracking.experiment_url("http://mlflow.lab:5000/", "7") == (
+        "http://mlflow.lab:5000/#/experiments/7/runs?workflowType=machine_learning")
+    link = tracking.experiment_url("sqlite:///x.db", "3", "multirun/2026-12-01/09-00-00")
+    base, query = link.split("?")
+    assert base == "http://127.0.0.1:5000/#/experiments/3/runs"
+    assert urllib.parse.parse_qs(query) == {"workflowType": ["machine_learning"],
+                                            "searchFilter": ["tags.`harness.sweep_id` = 'multirun/2026-12-01/09-00-00'"]}
+
+
+def test_a_sweeps_runs_share_its_tag_and_the_logged_link_finds_exactly_them(tmp_path, uri, caplog):
+    caplog.set_level("INFO", logger="harness.tracking")
+    for scheme, sweep in (("int8", "A"), ("int4", "A"), ("int4_g128", "B")):
+        tracking.log_results(write_result_dir(tmp_path / "results", scheme), uri=uri, experiment="exp",
+                             tags={tracking.SWEEP_TAG: sweep})
+    client = mlflow.tracking.MlflowClient(tracking_uri=uri)
+    experiment_id = client.get_experiment_by_name("exp").experiment_id
+    links = [m.split(": ", 1)[1] for m in caplog.messages if m.startswith("MLflow runs table")]
+    filters = {urllib.parse.parse_qs(link.split("?")[1])["searchFilter"][0] for link in links}
+    assert len(links) == 3 and len(filters) == 2  # one link per run, the same for runs of one sweep
+    [search] = [f for f in filters if f.endswith("'A'")]
+    found = client.search_runs([experiment_id], filter_string=search)
+    assert sorted(r.data.tags["scheme"] for r in found) == ["int4", "int8"]
+    assert all(r.data.tags.get("mlflow.parentRunId") is None for r in client.search_runs([experiment_id]))

@@ -46,12 +46,18 @@ def write_result_dir(root: Path, scheme: str = "int4_g128", *, slices: dict[str,
     return directory
 
 
+@pytest.fixture(scope="module")
+def uri(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One store for the module (creating its tables takes seconds); each test has its own experiment."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+
+
 @pytest.fixture
-def uri(tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+def experiment(request: pytest.FixtureRequest) -> str:
+    return request.node.name
 
 
-def only_run(uri: str, experiment: str = "exp") -> Any:
+def only_run(uri: str, experiment: str) -> Any:
     client = mlflow.tracking.MlflowClient(tracking_uri=uri)
     [run] = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
     return run
@@ -89,42 +95,43 @@ def test_a_start_after_the_end_is_dropped():
     assert tracking.job_times({"started_at": 1_790_000_100, "ended_at": 1_790_000_000}) == (None, 1_790_000_000)
 
 
-def test_logged_run_spans_the_job_not_the_logging(tmp_path, uri):
+def test_logged_run_spans_the_job_not_the_logging(tmp_path, uri, experiment):
     directory = write_result_dir(tmp_path / "results", started_at=1_790_000_000.0, ended_at=1_790_000_725.5)
-    run_id = tracking.log_results(directory, uri=uri, experiment="exp")
-    run = only_run(uri)
+    run_id = tracking.log_results(directory, uri=uri, experiment=experiment)
+    run = only_run(uri, experiment)
     assert run.info.run_id == run_id and run.info.status == "FINISHED"
     assert (run.info.start_time, run.info.end_time) == (1_790_000_000_000, 1_790_000_725_500)
     assert run.data.metrics["overall/acc_delta"] == -0.1 and run.data.metrics["time/evaluate"] == 36.75
     assert run.data.params["quant.name"] == "int4_g128"
     assert run.data.tags["scheme"] == "int4_g128" and run.data.tags[tracking.RUN_KEY_TAG] == "key-int4_g128"
-    assert tracking.log_results(directory, uri=uri, experiment="exp") == run_id  # idempotent, still one run
-    only_run(uri)
+    assert tracking.log_results(directory, uri=uri, experiment=experiment) == run_id  # idempotent, still one run
+    only_run(uri, experiment)
 
 
-def test_run_from_an_older_summary_lasts_as_long_as_its_stages(tmp_path, uri):
-    tracking.log_results(write_result_dir(tmp_path / "results"), uri=uri, experiment="exp")
-    run = only_run(uri)
+def test_run_from_an_older_summary_lasts_as_long_as_its_stages(tmp_path, uri, experiment):
+    tracking.log_results(write_result_dir(tmp_path / "results"), uri=uri, experiment=experiment)
+    run = only_run(uri, experiment)
     assert run.info.end_time == round((FINISHED_EPOCH + 0.25) * 1000)
     assert (run.info.end_time - run.info.start_time) / 1000 == pytest.approx(BEFORE_FINISH + 0.25, abs=1e-3)
 
 
 # -- the experiment opens on the classic runs table ----------------------------------------------
 
-def test_created_experiment_is_marked_for_the_classic_run_view(tmp_path, uri):
-    tracking.log_results(write_result_dir(tmp_path / "results"), uri=uri, experiment="exp")
+def test_created_experiment_is_marked_for_the_classic_run_view(tmp_path, uri, experiment):
+    tracking.log_results(write_result_dir(tmp_path / "results"), uri=uri, experiment=experiment)
     client = mlflow.tracking.MlflowClient(tracking_uri=uri)
-    assert client.get_experiment_by_name("exp").tags["mlflow.experimentKind"] == "custom_model_development"
+    assert client.get_experiment_by_name(experiment).tags["mlflow.experimentKind"] == "custom_model_development"
 
 
-def test_existing_experiment_gets_the_kind_only_when_it_has_none(tmp_path, uri):
+def test_existing_experiment_gets_the_kind_only_when_it_has_none(tmp_path, uri, experiment):
     client = mlflow.tracking.MlflowClient(tracking_uri=uri)
-    client.create_experiment("untagged")
-    client.create_experiment("chosen", tags={"mlflow.experimentKind": "genai_development"})
-    for name in ("untagged", "chosen"):
+    untagged, chosen = f"{experiment}-untagged", f"{experiment}-chosen"
+    client.create_experiment(untagged)
+    client.create_experiment(chosen, tags={"mlflow.experimentKind": "genai_development"})
+    for name in (untagged, chosen):
         tracking.log_results(write_result_dir(tmp_path / name), uri=uri, experiment=name)
-    assert client.get_experiment_by_name("untagged").tags["mlflow.experimentKind"] == "custom_model_development"
-    assert client.get_experiment_by_name("chosen").tags["mlflow.experimentKind"] == "genai_development"
+    assert client.get_experiment_by_name(untagged).tags["mlflow.experimentKind"] == "custom_model_development"
+    assert client.get_experiment_by_name(chosen).tags["mlflow.experimentKind"] == "genai_development"
 
 
 # -- each slice is a dataset input ---------------------------------------------------------------
@@ -134,10 +141,10 @@ def reference_digest(ids_and_targets: list[tuple[str, str]]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def test_each_slice_is_logged_as_a_dataset_with_its_items_digest_and_size(tmp_path, uri):
+def test_each_slice_is_logged_as_a_dataset_with_its_items_digest_and_size(tmp_path, uri, experiment):
     directory = write_result_dir(tmp_path / "results", slices={"math": 6, "code": 4})
-    tracking.log_results(directory, uri=uri, experiment="exp")
-    run = only_run(uri)
+    tracking.log_results(directory, uri=uri, experiment=experiment)
+    run = only_run(uri, experiment)
     datasets = {d.dataset.name: d for d in run.inputs.dataset_inputs}
     assert set(datasets) == {"math", "code"}
     for name, n in (("math", 6), ("code", 4)):
@@ -160,11 +167,11 @@ def test_digest_follows_the_items_not_their_order_or_the_answers():
     assert tracking.slice_digest(items.iloc[:2]) != digest
 
 
-def test_results_without_items_log_no_datasets_but_still_log(tmp_path, uri, caplog):
+def test_results_without_items_log_no_datasets_but_still_log(tmp_path, uri, experiment, caplog):
     directory = write_result_dir(tmp_path / "results")
     (directory / "items.parquet").unlink()
-    tracking.log_results(directory, uri=uri, experiment="exp")
-    run = only_run(uri)
+    tracking.log_results(directory, uri=uri, experiment=experiment)
+    run = only_run(uri, experiment)
     assert run.inputs.dataset_inputs == [] and run.info.status == "FINISHED"
     assert "no items.parquet" in caplog.text
 
@@ -181,13 +188,13 @@ def test_experiment_link_opens_the_classic_runs_table_and_filters_a_sweep():
                                             "searchFilter": ["tags.`harness.sweep_id` = 'multirun/2026-12-01/09-00-00'"]}
 
 
-def test_a_sweeps_runs_share_its_tag_and_the_logged_link_finds_exactly_them(tmp_path, uri, caplog):
+def test_a_sweeps_runs_share_its_tag_and_the_logged_link_finds_exactly_them(tmp_path, uri, experiment, caplog):
     caplog.set_level("INFO", logger="harness.tracking")
     for scheme, sweep in (("int8", "A"), ("int4", "A"), ("int4_g128", "B")):
-        tracking.log_results(write_result_dir(tmp_path / "results", scheme), uri=uri, experiment="exp",
+        tracking.log_results(write_result_dir(tmp_path / "results", scheme), uri=uri, experiment=experiment,
                              tags={tracking.SWEEP_TAG: sweep})
     client = mlflow.tracking.MlflowClient(tracking_uri=uri)
-    experiment_id = client.get_experiment_by_name("exp").experiment_id
+    experiment_id = client.get_experiment_by_name(experiment).experiment_id
     links = [m.split(": ", 1)[1] for m in caplog.messages if m.startswith("MLflow runs table")]
     filters = {urllib.parse.parse_qs(link.split("?")[1])["searchFilter"][0] for link in links}
     assert len(links) == 3 and len(filters) == 2  # one link per run, the same for runs of one sweep

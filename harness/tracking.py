@@ -15,7 +15,7 @@ links logged here (:func:`experiment_url`) carry ``workflowType=machine_learning
 A sweep's runs share the tag ``harness.sweep_id`` (see :mod:`harness.sweep`); there is no
 parent run, so every run stays a plain, comparable job and parallel jobs never race to
 create one. To group them: *Group by* -> ``harness.sweep_id`` in the runs table; to see one
-sweep: the link logged with its first run, or the filter ``tags.`harness.sweep_id` = '<id>'``.
+sweep: the link logged with each of its runs, or the filter ``tags.`harness.sweep_id` = '<id>'``.
 """
 from __future__ import annotations
 
@@ -288,8 +288,8 @@ def _log_results(result_dir: str | os.PathLike, *, uri: str, experiment: str,
         log.info("MLflow already has finished run %s for this config; not logging twice", existing)
         return existing
     started, ended = job_times(summary)
-    start_ms = None if started is None else int(round(started * 1000))
     end_ms = None if ended is None else int(round(ended * 1000))
+    start_ms = end_ms if started is None else int(round(started * 1000))  # unknown start: at least the date
     run = client.create_run(experiment_id, start_time=start_ms, run_name=summary["run_name"],
                             tags=resolve_tags(tags))
     run_id = run.info.run_id

@@ -202,3 +202,10 @@ def test_a_sweeps_runs_share_its_tag_and_the_logged_link_finds_exactly_them(tmp_
     found = client.search_runs([experiment_id], filter_string=search)
     assert sorted(r.data.tags["scheme"] for r in found) == ["int4", "int8"]
     assert all(r.data.tags.get("mlflow.parentRunId") is None for r in client.search_runs([experiment_id]))
+
+
+def test_a_run_with_only_an_end_time_is_dated_by_it(tmp_path, uri, experiment):
+    directory = write_result_dir(tmp_path / "results", ended_at=1_790_000_725.5, timings={})
+    tracking.log_results(directory, uri=uri, experiment=experiment)
+    run = only_run(uri, experiment)
+    assert run.info.start_time == run.info.end_time == 1_790_000_725_500

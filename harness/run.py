@@ -89,6 +89,7 @@ def job_config(cfg: DictConfig | RunConfig) -> RunConfig:
 
 def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     """Run one job; returns the summary (also written to results/<run>/summary.json)."""
+    started_at = time.time()
     cfg = job_config(cfg)
     runtime = apply_threads(cfg.runtime)  # once, before any torch work
     logging.getLogger("lm_eval").setLevel(logging.WARNING)  # per-request INFO lines drown the stage log
@@ -112,8 +113,9 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
         references = {s.name: compute_reference(loaded, s, cfg, cache) for s in checked.slices}
     with timings.stage("quantize"):
         if cfg.candidate.path:  # the candidate is an external checkpoint: load it in the reference's place
-            loaded, quant_report = load_candidate(loaded, cfg)
+            loaded, quant_report, candidate_params = load_candidate(loaded, cfg)
         else:
+            candidate_params = {}
             quant_report = quant.apply(loaded.model, cfg.quant, _quant_context(loaded, cfg, cache))
     with timings.stage("evaluate"):
         evaluated = evaluate_quantized(loaded, checked.slices, cfg, checkpoint)
@@ -132,12 +134,14 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     result = summary_record(cfg, key, comparison, quant_report, references, evaluated, timings, loaded)
     result["quant"].update(capacity_ledger.metrics())
     result["runtime"] = runtime
+    result["candidate"] = candidate_params
     long_generation = longgen.for_run(items, loaded.tokenizer)
     if long_generation is not None:
         result["long_generation"] = long_generation.summary
     with timings.stage("write"):
         write_analysis(results_dir, cfg, comparison, quant_report, result, capacity_ledger, long_generation)
     result["timings"].update(timings.stages)
+    result["started_at"], result["ended_at"] = started_at, time.time()  # the MLflow run spans the job
     atomic_write_json(results_dir / "summary.json", result)  # last: marks the results complete
     if cfg.gate.enabled:  # gate.json + gate.xml beside the results (a sweep gates every run)
         decision = gate.gate_results(results_dir, cfg.gate)
@@ -213,8 +217,9 @@ def summary_record(cfg: RunConfig, key: str, comparison: summary.Comparison, qua
     }
 
 
-def load_candidate(reference: models.LoadedModel, cfg: RunConfig) -> tuple[models.LoadedModel, quant.QuantReport]:
-    """The external candidate in the reference's place, and its scheme as a quant report.
+def load_candidate(reference: models.LoadedModel,
+                   cfg: RunConfig) -> tuple[models.LoadedModel, quant.QuantReport, dict[str, Any]]:
+    """The external candidate in the reference's place, its scheme as a quant report and as parameters.
 
     The reference's tokenizer stays (the candidate's was checked identical) and so does its
     identity: the results are keyed by the config, which names the candidate.
@@ -226,7 +231,7 @@ def load_candidate(reference: models.LoadedModel, cfg: RunConfig) -> tuple[model
     quant_report.notes.extend(f"{k}={v}" for k, v in scheme.as_params().items())
     return models.LoadedModel(model=loaded.model, tokenizer=reference.tokenizer, identity=reference.identity,
                               timings={**reference.timings, **{f"candidate_{k}": v for k, v in loaded.timings.items()}}
-                              ), quant_report
+                              ), quant_report, scheme.as_params()
 
 
 def _quant_context(loaded: models.LoadedModel, cfg: RunConfig, cache: Cache) -> Any:

@@ -295,6 +295,9 @@ def _log_results(result_dir: str | os.PathLike, *, uri: str, experiment: str,
     run_id = run.info.run_id
     try:
         params = [Param(k, v) for k, v in flatten_config(config).items()]
+        # an external candidate's scheme as read from its checkpoint (bits, groups, format, kept)
+        described = {f"{k}.described": str(v)[:500] for k, v in summary.get("candidate", {}).items()}
+        params += [Param(k, v) for k, v in described.items()]
         metrics = {k: float(v) for k, v in summary["metrics"].items()}
         metrics.update({f"time/{k}": float(v) for k, v in summary.get("timings", {}).items()})
         metrics.update({f"quant/{k}": float(v) for k, v in summary.get("quant", {}).items()

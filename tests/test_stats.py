@@ -243,12 +243,14 @@ def test_margin_label_formatting() -> None:
     assert paired_compare(ref, quant, margin=0.0025, n_resamples=50).verdict == "equivalent within 0.25 pt"
 
 
-def test_single_cluster_is_inconclusive() -> None:
+def test_single_cluster_gives_no_verdict_and_nan_intervals() -> None:
     ref, quant = _from_table(2, 8, 0, 0)
     result = paired_compare(ref, quant, clusters=["doc"] * 10, margin=0.01, n_resamples=50)
     assert result.n_clusters == 1
     assert math.isnan(result.delta_se) and math.isnan(result.tost_p)
-    assert result.verdict == "inconclusive"
+    assert all(math.isnan(bound) for bound in (*result.delta_ci, *result.flip_rate_ci))
+    assert result.ci_method == "none"
+    assert result.verdict == "too few clusters"  # was "inconclusive" before min_clusters existed
 
 
 def test_partial_credit_scores() -> None:

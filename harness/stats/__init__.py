@@ -14,7 +14,7 @@ the same rule with Wilson in place of Newcombe):
 
 ``"bootstrap"``
     percentile interval of a paired cluster bootstrap, used when it is reliable: at least
-    ``BOOTSTRAP_MIN_CLUSTERS`` (20) clusters, and at least ``BOOTSTRAP_MIN_EVENT_CLUSTERS``
+    ``BOOTSTRAP_MIN_CLUSTERS`` (51) clusters, and at least ``BOOTSTRAP_MIN_EVENT_CLUSTERS``
     (10) clusters holding an item whose value differs from the most common one (for Δ of
     0/1 scores: a discordant pair; for a flip rate: a flip, or a non-flip if flips are the
     majority), and a non-zero cluster-robust SE for Δ.
@@ -98,7 +98,7 @@ __all__ = [
 RIGHT_THRESHOLD = 0.5
 POWER = 0.8
 MIN_CLUSTERS = 5  # default min_clusters: fewer clusters give the verdict "too few clusters"
-BOOTSTRAP_MIN_CLUSTERS = 20  # below this the percentile bootstrap under-covers (bench_coverage)
+BOOTSTRAP_MIN_CLUSTERS = 51  # up to 50 clusters the percentile bootstrap under-covers (bench_coverage)
 BOOTSTRAP_MIN_EVENT_CLUSTERS = 10  # clusters holding an off-mode value, for the bootstrap to be used
 _CHUNK_ELEMENTS = 1 << 22  # resample draws held in memory at once (~32 MB of float64)
 

@@ -34,7 +34,9 @@ def wilson(successes: float, total: float, z: float) -> tuple[float, float]:
     denominator = 1 + z * z / total
     centre = (p + z * z / (2 * total)) / denominator
     half = z * math.sqrt(max(p * (1 - p), 0.0) / total + z * z / (4 * total * total)) / denominator
-    return max(0.0, centre - half), min(1.0, centre + half)
+    low = 0.0 if successes <= 0 else max(0.0, centre - half)  # exact 0 / 1 at the ends, not rounding
+    high = 1.0 if successes >= total else min(1.0, centre + half)
+    return low, high
 
 
 def newcombe_paired(both: float, first_only: float, second_only: float, neither: float, z: float) -> tuple[float, float]:

@@ -82,6 +82,8 @@ from numpy.typing import ArrayLike
 from scipy import stats as sps
 
 from harness.stats.intervals import clustered_variance, effective_scale, newcombe_paired, wilson
+from harness.stats.multiple import adjust_pvalues
+from harness.stats.verdict import verdict_label
 
 __all__ = [
     "BOOTSTRAP_MIN_CLUSTERS",
@@ -241,36 +243,6 @@ def flip_table(ref: ArrayLike, quant: ArrayLike) -> dict[str, int]:
     }
 
 
-def _points(margin: float) -> str:
-    points = 100.0 * margin
-    return f"{points:.1f}" if abs(points * 10 - round(points * 10)) < 1e-9 else f"{points:g}"
-
-
-def _verdict(
-    *, lo: float, hi: float, binary: bool, mcnemar_p: float, alpha: float, n_clusters: int, min_clusters: int,
-    margin: float | None, noninferiority_p: float | None, tost_p: float | None,
-) -> str:
-    if n_clusters < min_clusters:
-        return "too few clusters"
-    supported = n_clusters >= 2 and (mcnemar_p < alpha if binary else True)
-    drop = hi < 0 and supported
-    gain = lo > 0 and supported
-    if margin is None:
-        return "worse" if drop else "better" if gain else "no detectable change"
-    noninferior = noninferiority_p is not None and noninferiority_p < alpha
-    if drop and hi < -margin:
-        return "worse"
-    if tost_p is not None and tost_p < alpha:
-        return f"equivalent within {_points(margin)} pt"
-    if drop and not noninferior:
-        return "worse"
-    if gain:
-        return "better"
-    if noninferior:
-        return f"non-inferior within {_points(margin)} pt"
-    return "inconclusive"
-
-
 def paired_compare(
     ref: ArrayLike,
     quant: ArrayLike,
@@ -378,7 +350,7 @@ def paired_compare(
         if not math.isnan(design_effect):
             n_needed = max(1, int(math.ceil((z_sum * item_sd * math.sqrt(design_effect) / margin) ** 2)))
 
-    verdict = _verdict(
+    verdict = verdict_label(
         lo=ci[0][0], hi=ci[0][1], binary=binary, mcnemar_p=mcnemar_p, alpha=alpha, n_clusters=n_clusters,
         min_clusters=int(min_clusters), margin=margin, noninferiority_p=noninferiority_p, tost_p=tost_p,
     )
@@ -408,34 +380,6 @@ def paired_compare(
         n_needed=n_needed,
         ci_method=ci_method,
     )
-
-
-def adjust_pvalues(pvalues: ArrayLike, method: Literal["holm", "bh", "none"] = "holm") -> np.ndarray:
-    """Multiple-comparison adjusted p-values (Holm step-down FWER or Benjamini-Hochberg FDR).
-
-    NaNs pass through unchanged and do not count towards the number of tests.
-    """
-    p = np.array(pvalues, dtype=float)
-    valid = ~np.isnan(p)
-    if np.any((p[valid] < 0) | (p[valid] > 1)):
-        low, high = float(p[valid].min()), float(p[valid].max())
-        raise ValueError(f"p-values must lie in [0, 1]; got min {low!r}, max {high!r}")
-    if method not in ("holm", "bh", "none"):
-        raise ValueError(f"method={method!r} is unknown; use 'holm', 'bh' or 'none'")
-    m = int(valid.sum())
-    if method == "none" or m == 0:
-        return p
-    values = p[valid]
-    order = np.argsort(values, kind="mergesort")
-    ranked = values[order]
-    if method == "holm":
-        adjusted = np.maximum.accumulate((m - np.arange(m)) * ranked)
-    else:
-        adjusted = np.minimum.accumulate((m / np.arange(1, m + 1) * ranked)[::-1])[::-1]
-    unsorted = np.empty(m)
-    unsorted[order] = np.minimum(adjusted, 1.0)
-    p[valid] = unsorted
-    return p
 
 
 def _group_seed(seed: int, by: list[str], key: tuple) -> int:

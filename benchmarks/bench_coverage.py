@@ -15,7 +15,8 @@ For each cell it counts how often the 95% interval covers the population value, 
   bootstrap  the plain percentile cluster bootstrap (what was reported before issue 12),
   cr1_t      Δ ± t_{G-1} · SE_CR1 without the zero-variance floor (for comparison).
 The Monte Carlo SE of a coverage near 0.95 is sqrt(0.95 · 0.05 / replicates) (0.0069 at
-1000). Results: benchmarks/results/coverage.json, and a Markdown table on stdout.
+1000). Results: benchmarks/results/coverage.json, coverage.md (the README tables), and a
+Markdown table on stdout.
 
     python benchmarks/bench_coverage.py [replicates=1000] [n_resamples=1000] [out=...]
 """
@@ -165,6 +166,37 @@ def markdown(cells: list[dict], replicates: int) -> str:
     return "\n".join(lines)
 
 
+def summary_markdown(result: dict) -> str:
+    """Compact tables for the README: coverage of Δ and of the flip rate, reported (plain bootstrap)."""
+    clusters = sorted({c["clusters"] for c in result["cells"]})
+    by_scenario: dict[str, dict[int, dict]] = {}
+    for cell in result["cells"]:
+        by_scenario.setdefault(cell["scenario"], {})[cell["clusters"]] = cell
+    head = "| scenario | " + " | ".join(f"G = {g}" for g in clusters) + " |\n|---|" + "---:|" * len(clusters)
+    parts = []
+    for title, key in (("Δ", "coverage"), ("flip rate", "flip_rate_coverage")):
+        lines = [f"Coverage of the reported 95% interval of {title} (plain percentile cluster bootstrap in brackets):",
+                 "", head]
+        for name, cells in by_scenario.items():
+            if cells[clusters[0]][key] is None:
+                continue
+            values = [f"{cells[g][key]['reported']:.3f} ({cells[g][key]['bootstrap']:.3f})" for g in clusters]
+            lines.append(f"| {name} | " + " | ".join(values) + " |")
+        parts.append("\n".join(lines))
+    widths = ["| scenario | " + " | ".join(f"G = {g}" for g in clusters) + " |", "|---|" + "---:|" * len(clusters)]
+    for name, cells in by_scenario.items():
+        values = [f"{cells[g]['mean_width']['reported']:.3f} ({cells[g]['mean_width']['bootstrap']:.3f})"
+                  for g in clusters]
+        widths.append(f"| {name} | " + " | ".join(values) + " |")
+    parts.append("Mean width of the Δ interval, reported (plain bootstrap):\n\n" + "\n".join(widths))
+    se = result["monte_carlo_se"]
+    parts.append(f"{result['replicates']} replicates per cell, {result['n_resamples']} bootstrap resamples; Monte "
+                 f"Carlo SE of a coverage near 0.95: {se:.4f} (±{1.96 * se:.3f}). Bootstrap used from "
+                 f"{result['bootstrap_min_clusters']} clusters; `python benchmarks/bench_coverage.py` "
+                 f"({result['seconds']:.0f} s).")
+    return "\n\n".join(parts) + "\n"
+
+
 def body(parsed: cli.Parsed[Options]) -> int:
     options = parsed.options
     if options.replicates < 10 or options.n_resamples < 100:
@@ -183,6 +215,7 @@ def body(parsed: cli.Parsed[Options]) -> int:
     out = Path(options.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
+    out.with_suffix(".md").write_text(summary_markdown(result))
     print(markdown(cells, options.replicates))
     print(f"\n{seconds:.0f} s; wrote {out}")
     return 0

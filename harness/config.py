@@ -175,6 +175,7 @@ class CompareConfig:
     ci_level: float = 0.95
     seed: int = 0
     margin: float = 0.02  # non-inferiority margin (accuracy points / 100)
+    min_clusters: int = 5  # fewer clusters in a row: verdict "too few clusters" (lower: verdicts on thin evidence)
     correction: str = "holm"  # holm | bh | none, across all tests of a run
 
 

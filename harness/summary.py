@@ -92,7 +92,8 @@ def compare_items(items: pd.DataFrame, cfg: CompareConfig) -> pd.DataFrame:
     parts = []
     for level, by in levels:
         result = stats.compare_frame(frame, by=by, cluster_col="cluster", n_resamples=cfg.n_resamples,
-                                     seed=cfg.seed, margin=cfg.margin, correction="none")
+                                     seed=cfg.seed, margin=cfg.margin, correction="none",
+                                     min_clusters=cfg.min_clusters)
         result.insert(0, "level", level)
         parts.append(result)
     table = pd.concat(parts, ignore_index=True)

@@ -87,14 +87,14 @@ def test_item_bootstrap_matches_brute_force_loop(monkeypatch: pytest.MonkeyPatch
 
 def test_cluster_bootstrap_matches_brute_force_loop() -> None:
     rng = np.random.default_rng(3)
-    sizes = rng.integers(1, 9, size=23)
+    sizes = rng.integers(1, 9, size=60)  # > BOOTSTRAP_MIN_CLUSTERS: below it Δ gets a t interval
     labels = np.array([f"doc{c}" for c, size in enumerate(sizes) for _ in range(size)], dtype=object)
     labels = labels[rng.permutation(labels.size)]
     n = labels.size
     ref = rng.random(n).round(2)  # partial-credit scores
     quant = np.clip(ref + rng.normal(0, 0.2, n), 0, 1)
     result = paired_compare(ref, quant, clusters=labels, n_resamples=400, seed=5)
-    assert result.n_clusters == 23
+    assert result.n_clusters == 60 and result.ci_method == "bootstrap"
 
     order = list(dict.fromkeys(labels))  # clusters numbered by first appearance
     members = {label: np.flatnonzero(labels == label) for label in order}
@@ -243,12 +243,14 @@ def test_margin_label_formatting() -> None:
     assert paired_compare(ref, quant, margin=0.0025, n_resamples=50).verdict == "equivalent within 0.25 pt"
 
 
-def test_single_cluster_is_inconclusive() -> None:
+def test_single_cluster_gives_no_verdict_and_nan_intervals() -> None:
     ref, quant = _from_table(2, 8, 0, 0)
     result = paired_compare(ref, quant, clusters=["doc"] * 10, margin=0.01, n_resamples=50)
     assert result.n_clusters == 1
     assert math.isnan(result.delta_se) and math.isnan(result.tost_p)
-    assert result.verdict == "inconclusive"
+    assert all(math.isnan(bound) for bound in (*result.delta_ci, *result.flip_rate_ci))
+    assert result.ci_method == "none"
+    assert result.verdict == "too few clusters"  # was "inconclusive" before min_clusters existed
 
 
 def test_partial_credit_scores() -> None:

@@ -9,11 +9,35 @@ Scores are per-item values in [0, 1]: 0/1 correctness or a partial-credit score.
 counts as "right" when its score is >= 0.5 (``RIGHT_THRESHOLD``); flips, flip rates and
 McNemar's test use that thresholded view, Δ and its interval use the raw scores.
 
-Verdict labels (``PairedResult.verdict``), with ``lo, hi`` the bootstrap CI of Δ and
-"significant" meaning the CI excludes 0 *and*, for 0/1 scores, McNemar's exact p < alpha
-(for partial-credit scores the CI alone decides) *and* there are at least 2 clusters (a
-bootstrap over one cluster is a single point):
+Intervals (``PairedResult.ci_method`` says which one Δ got; the flip-rate intervals follow
+the same rule with Wilson in place of Newcombe):
 
+``"bootstrap"``
+    percentile interval of a paired cluster bootstrap, used when it is reliable: at least
+    ``BOOTSTRAP_MIN_CLUSTERS`` (51) clusters, and at least ``BOOTSTRAP_MIN_EVENT_CLUSTERS``
+    (10) clusters holding an item whose value differs from the most common one (for Δ of
+    0/1 scores: a discordant pair; for a flip rate: a flip, or a non-flip if flips are the
+    majority), and a non-zero cluster-robust SE for Δ.
+``"newcombe"``
+    otherwise, for 0/1 scores: Newcombe's hybrid score interval for a paired difference on
+    the 2x2 table scaled to the Korn–Graubard effective size (``harness.stats.intervals``):
+    it stays wide with no discordant pair (n = 54, none discordant: ±0.073) and widens like
+    a t interval with G - 1 degrees of freedom when clusters are few.
+``"t"``
+    otherwise, for partial-credit scores: Δ ± t_{G-1} * SE (SE below), clipped to [-1, 1].
+``"none"``
+    fewer than 2 clusters: nothing about between-cluster variation can be estimated, so
+    every interval is (NaN, NaN).
+The coverage of the reported intervals for G = 5..50, with few and no flips, is measured by
+``benchmarks/bench_coverage.py`` (results in ``benchmarks/results/coverage.json``).
+
+Verdict labels (``PairedResult.verdict``), with ``lo, hi`` the CI of Δ and "significant"
+meaning the CI excludes 0 *and*, for 0/1 scores, McNemar's exact p < alpha (for
+partial-credit scores the CI alone decides):
+
+with fewer than ``min_clusters`` clusters (default ``MIN_CLUSTERS`` = 5)
+    ``"too few clusters"``, whatever the data: with 2-4 clusters neither the bootstrap nor a
+    t interval on G - 1 degrees of freedom supports a claim.
 without a margin
     ``"worse"`` significant drop; ``"better"`` significant gain; otherwise
     ``"no detectable change"``.
@@ -30,16 +54,19 @@ Standard error of Δ: the cluster-robust (CR1) sandwich SE of a mean,
 when every item is its own cluster. The TOST statistics use a t distribution with G-1
 degrees of freedom (this matches ``statsmodels`` ``ttost_paired`` without clusters).
 
-Zero-variance floor: when all per-item differences are identical (e.g. no discordant pair)
-the observed variance is 0, which would claim infinite precision. The per-item variance is
-then floored at 1/n, as if one discordant pair had been seen, so SE = 1/n.
+Zero-variance floor: when the cluster-robust variance is 0 — all per-item differences are
+identical (e.g. no discordant pair), or flips cancel inside every cluster — it would claim
+infinite precision. The SE is then floored at 1/n, as if one discordant pair had been seen.
 
 Power: with d_i = quant_i - ref_i the per-item SD is ``sqrt(mean(d^2) - Δ^2)``, which for
 0/1 scores is McNemar's ``sqrt(p_disc - Δ^2)`` (p_disc = discordant fraction). Clustering
-inflates it by the design effect deff = SE_cluster^2 / SE_iid^2. Then
-``mde = (z_{1-α/2} + z_{0.8}) * sd * sqrt(deff / n)`` and
+inflates it by the design effect deff = SE_cluster^2 / SE_iid^2 (1 when all d_i are equal).
+Then ``mde = (z_{1-α/2} + z_{0.8}) * sd * sqrt(deff / n)`` and
 ``n_needed = ceil(((z_{1-α/2} + z_{0.8}) * sd * sqrt(deff) / margin)^2)``.
-With fewer than 2 clusters the SE, TOST p-values and MDE are NaN and ``n_needed`` is None.
+
+NaN, by design and only here: with fewer than 2 clusters ``delta_se``, every ``*_ci``,
+``mde`` and (with a margin) ``noninferiority_p``/``tost_p`` are NaN and ``n_needed`` is None.
+Everything else is always finite.
 """
 
 from __future__ import annotations
@@ -54,7 +81,14 @@ import pandas as pd
 from numpy.typing import ArrayLike
 from scipy import stats as sps
 
+from harness.stats.intervals import clustered_variance, effective_scale, newcombe_paired, wilson
+from harness.stats.multiple import adjust_pvalues
+from harness.stats.verdict import verdict_label
+
 __all__ = [
+    "BOOTSTRAP_MIN_CLUSTERS",
+    "BOOTSTRAP_MIN_EVENT_CLUSTERS",
+    "MIN_CLUSTERS",
     "RIGHT_THRESHOLD",
     "PairedResult",
     "adjust_pvalues",
@@ -65,6 +99,9 @@ __all__ = [
 
 RIGHT_THRESHOLD = 0.5
 POWER = 0.8
+MIN_CLUSTERS = 5  # default min_clusters: fewer clusters give the verdict "too few clusters"
+BOOTSTRAP_MIN_CLUSTERS = 51  # up to 50 clusters the percentile bootstrap under-covers (bench_coverage)
+BOOTSTRAP_MIN_EVENT_CLUSTERS = 10  # clusters holding an off-mode value, for the bootstrap to be used
 _CHUNK_ELEMENTS = 1 << 22  # resample draws held in memory at once (~32 MB of float64)
 
 
@@ -95,6 +132,7 @@ class PairedResult:
     verdict: str
     mde: float
     n_needed: int | None
+    ci_method: str  # how delta_ci was computed: bootstrap | newcombe | t | none (module docstring)
 
     def to_dict(self) -> dict[str, Any]:
         """Flat dict of plain Python values; each ``x_ci`` pair becomes ``x_ci_low``/``x_ci_high``."""
@@ -161,13 +199,34 @@ def _bootstrap_means(codes: np.ndarray, values: np.ndarray, n_resamples: int, rn
 
 
 def _clustered_se(codes: np.ndarray, diffs: np.ndarray) -> float:
-    """CR1 cluster-robust SE of the mean of ``diffs``; NaN with fewer than 2 clusters."""
-    n_clusters = int(codes.max()) + 1
-    if n_clusters < 2:
+    """CR1 cluster-robust SE of the mean of ``diffs`` with the zero-variance floor 1/n; NaN
+    with fewer than 2 clusters. "Zero" allows for rounding (flips that cancel in a cluster
+    leave residual sums of ~1e-17 when the mean is not a binary fraction)."""
+    variance = clustered_variance(codes, diffs)
+    if math.isnan(variance):
         return math.nan
-    resid_sums = np.bincount(codes, weights=diffs - diffs.mean(), minlength=n_clusters)
-    variance = n_clusters / (n_clusters - 1) * float(np.sum(resid_sums**2)) / diffs.size**2
-    return math.sqrt(variance)
+    return 1.0 / diffs.size if _variance_is_zero(codes, diffs) else math.sqrt(variance)
+
+
+def _variance_is_zero(codes: np.ndarray, diffs: np.ndarray) -> bool:
+    """Whether the CR1 variance of the mean is 0 up to rounding (NaN, < 2 clusters: False)."""
+    return bool(math.sqrt(clustered_variance(codes, diffs)) <= 1e-9 / diffs.size)
+
+
+def _bootstrap_reliable(codes: np.ndarray, values: np.ndarray) -> bool:
+    """Whether the percentile bootstrap of the mean of ``values`` is used (module docstring)."""
+    n_clusters = int(codes.max()) + 1
+    if n_clusters < BOOTSTRAP_MIN_CLUSTERS:
+        return False
+    levels, counts = np.unique(values, return_counts=True)
+    off_mode = values != levels[int(np.argmax(counts))]
+    return np.unique(codes[off_mode]).size >= BOOTSTRAP_MIN_EVENT_CLUSTERS
+
+
+def _bracket(interval: tuple[float, float], estimate: float) -> tuple[float, float]:
+    """The interval widened, if need be, to hold its point estimate (a percentile interval
+    of a ratio estimator can miss it in pathological cluster layouts)."""
+    return min(interval[0], estimate), max(interval[1], estimate)
 
 
 def flip_table(ref: ArrayLike, quant: ArrayLike) -> dict[str, int]:
@@ -184,34 +243,6 @@ def flip_table(ref: ArrayLike, quant: ArrayLike) -> dict[str, int]:
     }
 
 
-def _points(margin: float) -> str:
-    points = 100.0 * margin
-    return f"{points:.1f}" if abs(points * 10 - round(points * 10)) < 1e-9 else f"{points:g}"
-
-
-def _verdict(
-    *, lo: float, hi: float, binary: bool, mcnemar_p: float, alpha: float, n_clusters: int,
-    margin: float | None, noninferiority_p: float | None, tost_p: float | None,
-) -> str:
-    supported = n_clusters >= 2 and (mcnemar_p < alpha if binary else True)
-    drop = hi < 0 and supported
-    gain = lo > 0 and supported
-    if margin is None:
-        return "worse" if drop else "better" if gain else "no detectable change"
-    noninferior = noninferiority_p is not None and noninferiority_p < alpha
-    if drop and hi < -margin:
-        return "worse"
-    if tost_p is not None and tost_p < alpha:
-        return f"equivalent within {_points(margin)} pt"
-    if drop and not noninferior:
-        return "worse"
-    if gain:
-        return "better"
-    if noninferior:
-        return f"non-inferior within {_points(margin)} pt"
-    return "inconclusive"
-
-
 def paired_compare(
     ref: ArrayLike,
     quant: ArrayLike,
@@ -222,14 +253,17 @@ def paired_compare(
     seed: int = 0,
     margin: float | None = None,
     alpha: float = 0.05,
+    min_clusters: int = MIN_CLUSTERS,
 ) -> PairedResult:
     """Compare per-item scores of the quantized model (``quant``) with the reference (``ref``).
 
     ``clusters`` (one label per item; missing labels are singletons) switches the bootstrap
     and the SE to whole clusters, for items that share a source [Miller 2024]. CIs are
     percentile intervals (numpy "linear" quantiles) of a paired bootstrap seeded with
-    ``np.random.default_rng(seed)``. ``margin`` (e.g. 0.01 = 1 point of accuracy) enables
-    the non-inferiority and TOST equivalence tests and ``n_needed``.
+    ``np.random.default_rng(seed)`` where that is reliable, score or t intervals otherwise
+    (module docstring). ``margin`` (e.g. 0.01 = 1 point of accuracy) enables the
+    non-inferiority and TOST equivalence tests and ``n_needed``. With fewer than
+    ``min_clusters`` clusters the verdict is ``"too few clusters"``.
     """
     ref_scores = _as_scores(ref, "ref")
     quant_scores = _as_scores(quant, "quant")
@@ -244,6 +278,8 @@ def paired_compare(
         raise ValueError(f"n_resamples={n_resamples!r} must be a positive integer, e.g. 2000")
     if margin is not None and not 0 < margin < 1:
         raise ValueError(f"margin={margin!r} must lie in (0, 1) as a fraction of accuracy (0.01 = 1 point) or be None")
+    if isinstance(min_clusters, bool) or int(min_clusters) != min_clusters or min_clusters < 1:
+        raise ValueError(f"min_clusters={min_clusters!r} must be a positive integer, e.g. {MIN_CLUSTERS}")
 
     codes = _cluster_codes(clusters, n)
     n_clusters = int(codes.max()) + 1
@@ -255,25 +291,48 @@ def paired_compare(
     flips = right_to_wrong | wrong_to_right
     n10, n01 = int(right_to_wrong.sum()), int(wrong_to_right.sum())
 
+    binary = bool(np.all((ref_scores == 0) | (ref_scores == 1)) and np.all((quant_scores == 0) | (quant_scores == 1)))
     per_item = np.column_stack([diffs, flips, right_to_wrong, wrong_to_right]).astype(float)
     boot = _bootstrap_means(codes, per_item, int(n_resamples), np.random.default_rng(seed))
     tail = (1 - ci_level) / 2
     low, high = np.quantile(boot, [tail, 1 - tail], axis=0)
-    ci = [(float(low[j]), float(high[j])) for j in range(per_item.shape[1])]
+    estimates = per_item.mean(axis=0)
+    ci = [_bracket((float(low[j]), float(high[j])), float(estimates[j])) for j in range(per_item.shape[1])]
 
     mcnemar_p = 1.0 if n10 + n01 == 0 else float(sps.binomtest(n01, n01 + n10, 0.5).pvalue)
     delta = float(diffs.mean())
+    delta_se = _clustered_se(codes, diffs)
 
-    degenerate = bool(np.ptp(diffs) == 0)
-    if degenerate:
-        item_sd = math.sqrt(1.0 / n)
-        delta_se = 1.0 / n if n_clusters >= 2 else math.nan
-        design_effect = 1.0
+    z = float(sps.norm.ppf(1 - tail))
+    ci_method = "bootstrap"
+    if n_clusters < 2:
+        ci = [(math.nan, math.nan)] * per_item.shape[1]
+        ci_method = "none"
+    else:
+        for j in range(1, per_item.shape[1]):
+            if not _bootstrap_reliable(codes, per_item[:, j]):
+                scale = effective_scale(codes, per_item[:, j], ci_level)
+                ci[j] = wilson(float(per_item[:, j].sum()) * scale, n * scale, z)
+        if not _bootstrap_reliable(codes, diffs) or _variance_is_zero(codes, diffs):
+            if binary:
+                scale = effective_scale(codes, diffs, ci_level)
+                both = float(np.sum(ref_right & quant_right))
+                ci[0] = newcombe_paired(both * scale, n01 * scale, n10 * scale, (n - both - n01 - n10) * scale, z)
+                ci_method = "newcombe"
+            else:
+                half = float(sps.t.ppf(1 - tail, n_clusters - 1)) * delta_se
+                ci[0] = (max(-1.0, delta - half), min(1.0, delta + half))
+                ci_method = "t"
+
+    if n_clusters < 2:
+        item_sd, design_effect = math.sqrt(float(np.var(diffs))), math.nan
     else:
         item_sd = math.sqrt(float(np.var(diffs)))
-        delta_se = _clustered_se(codes, diffs)
         iid_se_sq = float(np.var(diffs, ddof=1)) / n
-        design_effect = delta_se**2 / iid_se_sq
+        if iid_se_sq > 0:
+            design_effect = delta_se**2 / iid_se_sq
+        else:  # all differences equal: the floored SE stands in for one discordant pair
+            item_sd, design_effect = math.sqrt(1.0 / n), 1.0
 
     z_sum = float(sps.norm.ppf(1 - alpha / 2) + sps.norm.ppf(POWER))
     mde = z_sum * item_sd * math.sqrt(design_effect / n)
@@ -289,12 +348,11 @@ def paired_compare(
             upper_p = float(sps.t.sf((margin - delta) / delta_se, dof))
             tost_p = max(noninferiority_p, upper_p)
         if not math.isnan(design_effect):
-            n_needed = int(math.ceil((z_sum * item_sd * math.sqrt(design_effect) / margin) ** 2))
+            n_needed = max(1, int(math.ceil((z_sum * item_sd * math.sqrt(design_effect) / margin) ** 2)))
 
-    binary = bool(np.all((ref_scores == 0) | (ref_scores == 1)) and np.all((quant_scores == 0) | (quant_scores == 1)))
-    verdict = _verdict(
+    verdict = verdict_label(
         lo=ci[0][0], hi=ci[0][1], binary=binary, mcnemar_p=mcnemar_p, alpha=alpha, n_clusters=n_clusters,
-        margin=margin, noninferiority_p=noninferiority_p, tost_p=tost_p,
+        min_clusters=int(min_clusters), margin=margin, noninferiority_p=noninferiority_p, tost_p=tost_p,
     )
     return PairedResult(
         n=n,
@@ -320,35 +378,8 @@ def paired_compare(
         verdict=verdict,
         mde=mde,
         n_needed=n_needed,
+        ci_method=ci_method,
     )
-
-
-def adjust_pvalues(pvalues: ArrayLike, method: Literal["holm", "bh", "none"] = "holm") -> np.ndarray:
-    """Multiple-comparison adjusted p-values (Holm step-down FWER or Benjamini-Hochberg FDR).
-
-    NaNs pass through unchanged and do not count towards the number of tests.
-    """
-    p = np.array(pvalues, dtype=float)
-    valid = ~np.isnan(p)
-    if np.any((p[valid] < 0) | (p[valid] > 1)):
-        low, high = float(p[valid].min()), float(p[valid].max())
-        raise ValueError(f"p-values must lie in [0, 1]; got min {low!r}, max {high!r}")
-    if method not in ("holm", "bh", "none"):
-        raise ValueError(f"method={method!r} is unknown; use 'holm', 'bh' or 'none'")
-    m = int(valid.sum())
-    if method == "none" or m == 0:
-        return p
-    values = p[valid]
-    order = np.argsort(values, kind="mergesort")
-    ranked = values[order]
-    if method == "holm":
-        adjusted = np.maximum.accumulate((m - np.arange(m)) * ranked)
-    else:
-        adjusted = np.minimum.accumulate((m / np.arange(1, m + 1) * ranked)[::-1])[::-1]
-    unsorted = np.empty(m)
-    unsorted[order] = np.minimum(adjusted, 1.0)
-    p[valid] = unsorted
-    return p
 
 
 def _group_seed(seed: int, by: list[str], key: tuple) -> int:
@@ -371,11 +402,13 @@ def compare_frame(
     correction: Literal["holm", "bh", "none"] = "holm",
     ci_level: float = 0.95,
     alpha: float = 0.05,
+    min_clusters: int = MIN_CLUSTERS,
 ) -> pd.DataFrame:
     """One ``paired_compare`` row per group of ``by`` (flattened via ``PairedResult.to_dict``).
 
     ``mcnemar_p_adj`` is corrected across all rows of the returned frame. Each group's
-    bootstrap seed is derived from ``(seed, group key)``. Verdicts use unadjusted tests.
+    bootstrap seed is derived from ``(seed, group key)``. Verdicts use unadjusted tests;
+    groups with fewer than ``min_clusters`` clusters get the verdict ``"too few clusters"``.
     To get an overall row, add a constant column and group by it.
     """
     if correction not in ("holm", "bh", "none"):
@@ -404,6 +437,7 @@ def compare_frame(
             seed=_group_seed(seed, by, key),
             margin=margin,
             alpha=alpha,
+            min_clusters=min_clusters,
         )
         rows.append({**dict(zip(by, key)), **result.to_dict()})
     frame = pd.DataFrame(rows)

@@ -28,7 +28,7 @@ class Comparison:
         """Flat metric names for MLflow: ``<slice>/<metric>`` and ``overall/<metric>``."""
         out: dict[str, float] = {}
         keys = ["acc_ref", "acc_quant", "delta", "delta_ci_low", "delta_ci_high", "flips_right_to_wrong",
-                "flips_wrong_to_right", "flip_rate", "mcnemar_p", "mcnemar_p_adj", "n"]
+                "flips_wrong_to_right", "flip_rate", "mcnemar_p", "mcnemar_p_adj", "n", "n_clusters"]
         for row in self.item_stats[self.item_stats["level"].isin(["overall", "slice"])].to_dict("records"):
             prefix = "overall" if row["level"] == "overall" else row["slice"]
             for key in keys:

@@ -37,6 +37,8 @@ def test_int4_run_writes_results_and_logs_mlflow(make_cfg, tmp_path):
     assert len(items) == 36 and items["item_id"].is_unique
     assert set(items.columns) >= {"correct_ref", "correct_quant", "response_ref", "response_quant", "sub_slice"}
     assert result["metrics"]["math/kl_mean"] > 0
+    clusters = items.groupby("slice")["cluster"].nunique()
+    assert result["metrics"]["math/n_clusters"] == clusters["math"]  # beside n, in MLflow too
     assert result["quant"]["bits_per_weight"] == pytest.approx(4.125)
     # lm-eval's own aggregate equals the harness's per-item mean, per task and model.
     for task, value in result["lm_eval_aggregates"]["quantized"].items():

@@ -15,10 +15,12 @@ this process. Group 64 because SmolLM2's hidden size 576 is no multiple of 128. 
   the layer's output energy;
 - mean KL(ref‖quant) per token and top-1 agreement with the unquantized model on held-out text.
 
-    .venv/bin/python benchmarks/bench_llmcompressor.py [--samples 128] [--seq-len 512] [--overlap]
+    .venv/bin/python benchmarks/bench_llmcompressor.py [--samples 128] [--seq-len 512] [--overlap] [--ablation]
 
 ``--overlap`` runs the llm-compressor worker while the harness quantizes (wall times then
-share the CPU; the CPU times stay comparable). Writes benchmarks/results/llmcompressor.json.
+share the CPU; the CPU times stay comparable). ``--ablation`` adds the harness's GPTQ on
+compressed-tensors' grid (``harness_gptq_ctgrid``), separating the grid from the algorithm.
+Writes benchmarks/results/llmcompressor.json.
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ from bench_gptq_awq import held_out_windows, layer_errors  # noqa: E402  (siblin
 from harness import divergence, models  # noqa: E402
 from harness.cache import Cache  # noqa: E402
 from harness.config import REPO_DIR, CalibrationConfig, compose, load_model_config  # noqa: E402
-from harness.quant import gptq  # noqa: E402
+from harness.quant import formats, gptq  # noqa: E402
 from harness.quant.base import QuantReport, target_linears, with_model_defaults  # noqa: E402
 from harness.quant.calibration import CalibrationContext  # noqa: E402
 from harness.quant.rtn import quantize_weights_rtn  # noqa: E402
@@ -67,11 +69,31 @@ def symmetric_grid(w: torch.Tensor, group: int, divisor: float, qmin: int, qmax:
     return (torch.clamp(torch.round(g / scale), qmin, qmax) * scale).reshape(w.shape)
 
 
+class FullRangeGrid:
+    """Ablation only: a stand-in for ``harness.quant.formats`` inside ``harness.quant.gptq`` that puts the
+    harness's GPTQ on compressed-tensors' symmetric grid (s = amax / 7.5, codes -8..7) — what the
+    proposed ``int_range: full`` scheme option would do — so the grid and the algorithm separate."""
+
+    @staticmethod
+    def int_qparams(x: torch.Tensor, bits: int, *, symmetric: bool, dim: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        assert symmetric, "the ablation is for the symmetric W4A16 grid"
+        amax = x.float().abs().amax(dim=dim, keepdim=True)
+        scale = torch.where(amax > 0, amax / ((2 ** bits - 1) / 2), 1.0)
+        return scale, torch.full_like(scale, 2.0 ** (bits - 1))
+
+    @staticmethod
+    def int_fake_quant(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, *,
+                       symmetric: bool) -> torch.Tensor:
+        # codes clamp(round(x / s) + 2^(b-1), 0, 2^b - 1) - 2^(b-1) = clamp(round(x / s), -2^(b-1), 2^(b-1) - 1)
+        return formats.int_fake_quant(x, scale, zero, bits, symmetric=False)
+
+
 def scheme(name: str, overrides: list[str], ragged: bool) -> Any:
     return with_model_defaults(OmegaConf.to_object(compose([f"quant={name}", *overrides]).quant), ragged)
 
 
-def start_peer(model_dir: Path, method: str, out: Path, tokens: Path | None, args: argparse.Namespace) -> subprocess.Popen:
+def start_peer(model_dir: Path, method: str, out: Path, tokens: Path | None,
+               args: argparse.Namespace) -> subprocess.Popen:
     command = [str(PEER_PYTHON), str(WORKER), "--model", str(model_dir), "--method", method, "--group-size",
                str(GROUP), "--out", str(out), "--threads", str(args.threads), "--damp", "0.01", "--block-size", "128"]
     if tokens is not None:
@@ -107,7 +129,8 @@ def with_weights(reference: torch.nn.Module, weights: dict[str, torch.Tensor]) -
 
 def agreement(model: torch.nn.Module, refs: list) -> dict[str, float]:
     frame = divergence.compare_to_reference(model, refs, "held_out")
-    return {"kl_mean": float(frame["kl"].mean()), "top1_agreement": float((frame["top1_ref"] == frame["top1_quant"]).mean()),
+    top1 = float((frame["top1_ref"] == frame["top1_quant"]).mean())
+    return {"kl_mean": float(frame["kl"].mean()), "top1_agreement": top1,
             "tokens": int(len(frame))}
 
 
@@ -151,11 +174,24 @@ def run(args: argparse.Namespace, work: Path) -> dict:
     report = QuantReport(scheme="gptq_w4g64", method="gptq")
     stats, _ = timed(lambda: gptq.quantize_gptq(model, gptq_spec, tokens, "cpu", report, batch_size=8))
     ours["gptq"] = ({n: model.get_submodule(n).weight.detach().clone() for n in names}, stats)
+    if args.ablation:
+        print("harness GPTQ on compressed-tensors' grid (ablation) ...", flush=True)
+        model = copy.deepcopy(reference)
+        gptq.formats = FullRangeGrid  # type: ignore[assignment]
+        try:
+            stats, _ = timed(lambda: gptq.quantize_gptq(model, gptq_spec, tokens, "cpu",
+                                                        QuantReport(scheme="gptq_w4g64_ctgrid", method="gptq"),
+                                                        batch_size=8))
+        finally:
+            gptq.formats = formats
+        ours["gptq_ctgrid"] = ({n: model.get_submodule(n).weight.detach().clone() for n in names}, stats)
     del model
     if args.overlap:
         print("waiting for llm-compressor GPTQ ...", flush=True)
         peer_gptq = finish_peer(peer_gptq_proc, work / "peer_gptq")
     peers = {"rtn": peer_rtn, "gptq": peer_gptq}
+    if args.ablation:
+        peers["gptq_ctgrid"] = None  # the ablation has no llm-compressor counterpart
     if set(peer_rtn["weights"]) != set(names):
         raise SystemExit(f"the tools quantized different layers: {sorted(set(peer_rtn['weights']) ^ set(names))}")
 
@@ -168,11 +204,15 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         differ += int((peer_rtn["weights"][name] != ours["rtn"][0][name].float()).sum())
         total += w.numel()
     results["rtn_equality"] = {"weights": total, "llmcompressor_off_its_formula": mismatch_peer,
-                               "harness_off_its_formula": mismatch_ours, "share_differing_between_tools": differ / total}
+                               "harness_off_its_formula": mismatch_ours,
+                               "share_differing_between_tools": differ / total}
 
     effective = {}
-    for method in ("rtn", "gptq"):
-        for tool, weights in (("harness", ours[method][0]), ("llmcompressor", peers[method]["weights"])):
+    for method in [m for m in ("rtn", "gptq", "gptq_ctgrid") if m in ours]:
+        pairs = [("harness", ours[method][0])]
+        if peers[method]:
+            pairs.append(("llmcompressor", peers[method]["weights"]))
+        for tool, weights in pairs:
             key = f"{tool}_{method}"
             effective[key] = {n: weights[n].float() for n in names}
             quantized = with_weights(reference, effective[key])
@@ -187,13 +227,18 @@ def run(args: argparse.Namespace, work: Path) -> dict:
                 for n in names}
     for key in effective:
         values = torch.tensor([relative[n][key] for n in names])
-        results["tools"][key].update(layer_rel_error_median=float(values.median()), layer_rel_error_mean=float(values.mean()))
+        results["tools"][key].update(layer_rel_error_median=float(values.median()),
+                                     layer_rel_error_mean=float(values.mean()))
     wins = sum(relative[n]["harness_gptq"] < relative[n]["llmcompressor_gptq"] for n in names)
+    if args.ablation:
+        results["gptq_ctgrid_layers_where_harness_error_is_lower"] = sum(
+            relative[n]["harness_gptq_ctgrid"] < relative[n]["llmcompressor_gptq"] for n in names)
     results.update({
         "model": "smollm2_135m", "group_size": GROUP, "layers": len(names),
         "gptq_layers_where_harness_error_is_lower": wins,
         "calibration": {"samples": args.samples, "seq_len": args.seq_len, "hash": context.calibration_hash},
         "held_out": {"windows": args.held_out, "seq_len": args.seq_len}, "overlap": args.overlap,
+        "ablation_gptq_ctgrid": "harness GPTQ with formats swapped for FullRangeGrid" if args.ablation else None,
         "peer": {k: peer_gptq["info"].get(k) for k in ("versions", "observers", "damp", "block_size", "actorder",
                                                         "batch_size", "weights_stored_dequantized")},
         "harness_gptq": {"damp_percent": gptq_spec.gptq.damp_percent, "block_size": gptq_spec.gptq.block_size,
@@ -226,6 +271,8 @@ def main() -> None:
     parser.add_argument("--held-out", type=int, default=8, help="held-out windows for KL, top-1 and layer errors")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for each tool")
     parser.add_argument("--overlap", action="store_true", help="run llm-compressor's GPTQ while the harness's runs")
+    parser.add_argument("--ablation", action="store_true",
+                        help="also run the harness's GPTQ on compressed-tensors' grid (amax/7.5, codes -8..7)")
     parser.add_argument("--cache-dir", default=os.environ.get("HARNESS_CACHE_DIR", "~/.cache/quant-harness"))
     parser.add_argument("--out", type=Path, default=REPO_DIR / "benchmarks" / "results" / "llmcompressor.json")
     args = parser.parse_args()

@@ -65,6 +65,9 @@ class TensorQuantConfig:
     format: str = "int"  # int | fp8_e4m3 | fp8_e5m2 | nvfp4 | mxfp4 | mxfp8 (table in harness.quant.tensor)
     bits: int = 8  # int only
     symmetric: bool = True  # int only; asymmetric adds a zero point per group
+    # int, symmetric only: restricted (scale amax/(2^(b-1)-1), codes ±(2^(b-1)-1), the harness's default)
+    # | full (compressed-tensors / llm-compressor: scale amax/((2^b-1)/2), codes -2^(b-1)..2^(b-1)-1)
+    int_range: str = "restricted"
     granularity: str = "channel"  # tensor | channel | group | token | block | head
     group_size: int = 128  # for granularity=group
     block_shape: list[int] = field(default_factory=lambda: [128, 128])  # for block (fp8)

@@ -83,9 +83,9 @@ def recover_int_grid(weight: Tensor, bits: int, *, symmetric: bool, granularity:
                      group_size: int | None = None, tolerance: float = 1e-3) -> tuple[Tensor, Tensor]:
     """Scale and zero point (harness convention, float32, shape [out, n_groups]) of dequantized weights.
 
-    Symmetric groups hold ``k · s`` with integer ``|k| <= qmax``: ``s = amax / m`` for the largest
-    code magnitude ``m``; RTN always reaches ``m = qmax``; other ``m`` are tried for groups that do
-    not. Asymmetric groups hold ``(k - z) · s`` with ``k`` in ``[0, 2^b - 1]``: ``s = (max - min) / m``
+    Symmetric groups hold ``k · s`` with integer ``-qmax-1 <= k <= qmax``: ``s = amax / m`` for the
+    largest code magnitude ``m``; RTN reaches ``m = qmax`` (``qmax + 1`` on the full-range grid);
+    smaller ``m`` are tried for groups that reach neither. Asymmetric groups hold ``(k - z) · s`` with ``k`` in ``[0, 2^b - 1]``: ``s = (max - min) / m``
     and ``z = round(-min / s)`` for the code span ``m``. A group that fits no grid within
     ``tolerance`` (in code units) raises :class:`ExportError` naming the worst group.
     """
@@ -100,7 +100,10 @@ def recover_int_grid(weight: Tensor, bits: int, *, symmetric: bool, granularity:
     scale = torch.where(top > 0, top / qmax, torch.ones_like(top))
     offset = torch.zeros_like(top) if symmetric else low / scale
     best = _residual(groups, scale, offset)
-    for span in range(qmax - 1, 0, -1):
+    # the top code first (RTN); a symmetric full-range grid (int_range=full) reaches -2^(b-1); then GPTQ's
+    # groups whose largest code is smaller
+    spans = ([qmax + 1] if symmetric else []) + list(range(qmax - 1, 0, -1))
+    for span in spans:
         failing = best > tolerance
         if not bool(failing.any()):
             break

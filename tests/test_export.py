@@ -98,7 +98,7 @@ ASYM_LOAD_BUG = pytest.mark.xfail(strict=True, reason="transformers 5.24 + compr
                                    "through compressed-tensors' decompressor in test_every_export_decompresses_exactly")
 
 
-@pytest.mark.parametrize("name", ["int4_g128", pytest.param("int4_g128_asym", marks=ASYM_LOAD_BUG), "int8",
+@pytest.mark.parametrize("name", ["int4_g128", "int4_g128_ct", pytest.param("int4_g128_asym", marks=ASYM_LOAD_BUG), "int8",
                                   "gptq_w4g128", pytest.param("awq_w4g128", marks=ASYM_LOAD_BUG), "fp8_w8a16"])
 def test_weight_only_round_trip_gives_identical_logits(name, tmp_path):
     from transformers import AutoModelForCausalLM

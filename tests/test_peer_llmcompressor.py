@@ -160,3 +160,19 @@ def test_gptq_grid_is_fixed_from_the_original_weights(tiny):
         assert torch.allclose(codes, codes.round(), atol=1e-4) and codes.round().abs().max() <= 8, name
         changed += int(not torch.equal(deq, compressed_tensors_grid(w, 64)[0]))
     assert changed == len(peer["weights"])  # GPTQ moved weights off plain RTN in every layer
+
+
+@pytest.mark.parametrize("group", [64, 128])
+def test_int_range_full_reproduces_llm_compressor_rtn_exactly(tiny, group):
+    """`int_range: full` (the int4_g128_ct preset's grid) evaluates exactly what llm-compressor writes."""
+    import copy
+
+    model_dir, loaded = tiny
+    peer = run_peer(model_dir, "rtn", group)
+    cfg = OmegaConf.to_object(compose(["model=tiny_random", f"quant=int4_g{group}", "quant.weights.int_range=full"]))
+    model = copy.deepcopy(loaded.model)
+    report = quant.apply(model, quant.with_model_defaults(cfg.quant, cfg.model.ragged_groups))
+    assert {layer.name for layer in report.layers} == set(peer["weights"])
+    for layer in report.layers:
+        assert torch.equal(model.get_submodule(layer.name).weight.detach().float(), peer["weights"][layer.name]), \
+            layer.name

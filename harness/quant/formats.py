@@ -129,6 +129,7 @@ def int_qparams(
     symmetric: bool,
     dim: int | tuple[int, ...] | None,
     include_zero: bool = True,
+    full_range: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Scale and zero point of a b-bit integer grid, reducing over ``dim`` (kept as size 1).
 
@@ -138,6 +139,8 @@ def int_qparams(
       ``q ∈ [-(2^(b-1)-1), 2^(b-1)-1]``: the code -2^(b-1) is never produced, so the grid is symmetric
       around 0 (llm-awq ``zero_point=False`` and SmoothQuant's absmax INT8 produce the same values).
       IST-DASLab gptq's symmetric mode instead uses all 2^b codes with scale ``2·amax/(2^b-1)``.
+    - Symmetric with ``full_range=True``: compressed-tensors' (llm-compressor's) convention,
+      ``scale = amax / ((2^b - 1) / 2)`` (amax/7.5 at 4 bits) and ``q ∈ [-2^(b-1), 2^(b-1)-1]``.
     - Asymmetric: ``scale = (max - min) / (2^b - 1)``, ``zero = round(-min / scale)``, ``q ∈ [0, 2^b-1]``.
       With ``include_zero=True`` (default) min/max are first widened to include 0, as IST-DASLab gptq
       ``quant.py`` does, so 0 is exactly representable and ``zero`` lies in ``[0, 2^b-1]``.
@@ -153,7 +156,8 @@ def int_qparams(
     dims = _all_dims(xf) if dim is None else dim
     if symmetric:
         amax = _finite_abs(xf).amax(dim=dims, keepdim=True)
-        scale = torch.where(amax > 0, amax / (2 ** (bits - 1) - 1), 1.0)
+        top = (2**bits - 1) / 2 if full_range else 2 ** (bits - 1) - 1
+        scale = torch.where(amax > 0, amax / top, 1.0)
         return scale, torch.zeros_like(scale)
     finite = torch.isfinite(xf)
     xmin = torch.where(finite, xf, float("inf")).amin(dim=dims, keepdim=True)
@@ -168,7 +172,8 @@ def int_qparams(
     return scale, torch.round(-xmin / scale)
 
 
-def int_fake_quant(x: Tensor, scale: Tensor, zero: Tensor, bits: int, *, symmetric: bool) -> Tensor:
+def int_fake_quant(x: Tensor, scale: Tensor, zero: Tensor, bits: int, *, symmetric: bool,
+                   full_range: bool = False) -> Tensor:
     """Round ``x`` onto the integer grid given by ``scale``/``zero`` and dequantize.
 
     The reference gptq ``quantize(x, scale, zero, maxq)``: ``q = clamp(round(x/scale) + zero)``,
@@ -182,7 +187,8 @@ def int_fake_quant(x: Tensor, scale: Tensor, zero: Tensor, bits: int, *, symmetr
     zero = zero.to(device=xf.device, dtype=torch.float32)
     if symmetric:
         qmax = 2 ** (bits - 1) - 1
-        out = (xf / scale).round_().clamp_(-qmax, qmax).mul_(scale)  # in place on the fresh quotient
+        qmin = -(qmax + 1) if full_range else -qmax  # full_range: compressed-tensors' signed range
+        out = (xf / scale).round_().clamp_(qmin, qmax).mul_(scale)  # in place on the fresh quotient
     else:
         q = torch.clamp(torch.round(xf / scale) + zero, 0, 2**bits - 1)
         out = (q - zero) * scale
@@ -197,6 +203,7 @@ def int_quantize(
     granularity: Granularity = "channel",
     group_size: int | None = None,
     include_zero: bool = True,
+    full_range: bool = False,
 ) -> Tensor:
     """Round-to-nearest integer quantization of a weight or activation tensor.
 
@@ -214,8 +221,9 @@ def int_quantize(
         view, dim = x, None
     else:
         raise ValueError(f"unknown granularity {granularity!r}; use tensor, channel, group or token")
-    scale, zero = int_qparams(view, bits, symmetric=symmetric, dim=dim, include_zero=include_zero)
-    return int_fake_quant(view, scale, zero, bits, symmetric=symmetric).reshape(x.shape)
+    scale, zero = int_qparams(view, bits, symmetric=symmetric, dim=dim, include_zero=include_zero,
+                              full_range=full_range)
+    return int_fake_quant(view, scale, zero, bits, symmetric=symmetric, full_range=full_range).reshape(x.shape)
 
 
 # --------------------------------------------------------------------------------------------- FP8

@@ -31,6 +31,7 @@ from harness.quant import formats
 from harness.quant.adapters import (BlockProgress, block_on_device, capture_block_inputs, get_adapter, make_batches,
                                     round_outside_blocks, small_ops_threads, staged_forward)
 from harness.quant.base import QuantReport, bits_for, register_method, target_linears
+from harness.quant.tensor import full_range
 from harness.quant.tensor import SchemeError
 
 log = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ def _upper_inverse_cholesky(hessian: Tensor, damp_percent: float, name: str) -> 
 
 
 def _qparams(weight: Tensor, spec: TensorQuantConfig, dim: int | None) -> tuple[Tensor, Tensor]:
-    return formats.int_qparams(weight, spec.bits, symmetric=spec.symmetric, dim=dim)
+    return formats.int_qparams(weight, spec.bits, symmetric=spec.symmetric, dim=dim, full_range=full_range(spec))
 
 
 @torch.no_grad()
@@ -161,7 +162,8 @@ def gptq_quantize_weight(weight: Tensor, hessian: Tensor, spec: TensorQuantConfi
             elif column % group == 0:
                 scale, zero = _qparams(W1[:, i:i + group], spec, dim=-1)
             w = W1[:, i]
-            q = formats.int_fake_quant(w.unsqueeze(1), scale, zero, spec.bits, symmetric=spec.symmetric)[:, 0]
+            q = formats.int_fake_quant(w.unsqueeze(1), scale, zero, spec.bits, symmetric=spec.symmetric,
+                                       full_range=full_range(spec))[:, 0]
             Q1[:, i] = q
             err = (w - q) / pivots[i]
             W1[:, i:].addr_(err, Hinv1[i, i:], alpha=-1.0)

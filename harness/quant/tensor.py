@@ -90,6 +90,11 @@ def get_format(name: str) -> NumberFormat:
 
 
 # ------------------------------------------------------------------------------------ entry makers
+def full_range(spec: TensorQuantConfig) -> bool:
+    """Whether a symmetric int spec uses compressed-tensors' full signed range (``int_range: full``)."""
+    return spec.int_range == "full"
+
+
 def int_format(name: str = "int", bits: int | None = None) -> NumberFormat:
     """An integer grid (``harness.quant.formats.int_*``): ``bits`` wide, or quant.*.bits (2..8) when None."""
     def width(spec: TensorQuantConfig) -> int:
@@ -98,16 +103,17 @@ def int_format(name: str = "int", bits: int | None = None) -> NumberFormat:
     def quantize(x: Tensor, spec: TensorQuantConfig, granularity: str, include_zero: bool = True) -> Tensor:
         return formats.int_quantize(x, width(spec), symmetric=spec.symmetric, granularity=granularity,
                                     group_size=spec.group_size if granularity == "group" else None,
-                                    include_zero=include_zero)
+                                    include_zero=include_zero, full_range=full_range(spec))
 
     def round_(x: Tensor, spec: TensorQuantConfig, scale: Tensor, zero: Tensor | None) -> Tensor:
         symmetric = zero is None or spec.symmetric
         zero = torch.zeros_like(scale) if zero is None else zero
-        return formats.int_fake_quant(x, scale, zero, width(spec), symmetric=symmetric)
+        return formats.int_fake_quant(x, scale, zero, width(spec), symmetric=symmetric, full_range=full_range(spec))
 
     def qparams(x: Tensor, spec: TensorQuantConfig, dims: tuple[int, ...], include_zero: bool
                 ) -> tuple[Tensor, Tensor | None]:
-        return formats.int_qparams(x, width(spec), symmetric=spec.symmetric, dim=dims, include_zero=include_zero)
+        return formats.int_qparams(x, width(spec), symmetric=spec.symmetric, dim=dims, include_zero=include_zero,
+                                   full_range=full_range(spec))
 
     def storage(spec: TensorQuantConfig, out_features: int, in_features: int) -> float:
         if spec.granularity == "group" and in_features % spec.group_size:
@@ -182,6 +188,12 @@ def validate_spec(spec: TensorQuantConfig, role: str) -> None:
     if spec.format not in FORMATS:
         raise SchemeError(f"{where}.format={spec.format!r}: expected one of {sorted(FORMATS)}")
     fmt = FORMATS[spec.format]
+    if spec.int_range not in ("restricted", "full"):
+        raise SchemeError(f"{where}.int_range={spec.int_range!r}: use restricted (the harness's ±(2^(b-1)-1) codes) "
+                          "or full (compressed-tensors' -2^(b-1)..2^(b-1)-1 with scale amax/((2^b-1)/2))")
+    if spec.int_range == "full" and not (spec.symmetric and spec.format == "int"):
+        raise SchemeError(f"{where}.int_range=full applies to symmetric int grids (asymmetric grids already use "
+                          f"all 2^b codes; {spec.format} has no integer range); drop it or set symmetric: true")
     if fmt.bits_range is not None and not fmt.bits_range[0] <= spec.bits <= fmt.bits_range[1]:
         raise SchemeError(f"{where}.bits={spec.bits}: {fmt.name} supports {fmt.bits_range[0]}.."
                           f"{fmt.bits_range[1]} bits")

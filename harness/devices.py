@@ -126,20 +126,22 @@ def check(spec: str, dtype: torch.dtype, *, option: str = "model.device") -> str
 
 
 def parse_max_memory(max_memory: dict | None) -> dict[int | str, str] | None:
-    """accelerate's ``max_memory`` from the config's mapping (keys ``0``, ``cuda:1``, ``cpu``, ``disk``)."""
+    """accelerate's ``max_memory`` from the config's mapping.
+
+    Keys are strings in the config (Hydra's override grammar has no integer or ``cuda:N`` keys):
+    a GPU index as ``"0"``, ``gpu0`` or ``cuda0``, and ``cpu`` / ``disk``. Values are sizes
+    accelerate understands (``70GiB``, ``500MB``, a byte count).
+    """
     if not max_memory:
         return None
     out: dict[int | str, str] = {}
     for key, value in dict(max_memory).items():
         text = str(key).strip().lower()
+        match = re.match(r"^(?:gpu|cuda:?)?(\d+)$", text)
         if text in ("cpu", "disk"):
             out[text] = str(value)
-            continue
-        match = _CUDA.match(text)
-        if text.isdigit():
-            out[int(text)] = str(value)
-        elif match and match.group(1) is not None:
+        elif match:
             out[int(match.group(1))] = str(value)
         else:
-            raise DeviceError(f"model.max_memory key {key!r}: expected a GPU index (0, cuda:1), cpu or disk")
+            raise DeviceError(f"model.max_memory key {key!r}: expected a GPU index (0, gpu0, cuda0), cpu or disk")
     return out

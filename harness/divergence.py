@@ -20,13 +20,15 @@ both, probability of the actual token under both, and the token's position.
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any, Iterator, Literal
 
 import pandas as pd
 import torch
 from torch import Tensor, nn
+
+from harness.devices import module_device
+from harness.placement import materialized_copy
 
 TOKEN_COLUMNS = ["slice", "text", "position", "nll_ref", "nll_quant", "kl", "kl_reverse",
                  "top1_ref", "top1_quant", "p_ref", "p_quant"]
@@ -47,12 +49,12 @@ class OutputHead(nn.Module):
         head = model.get_output_embeddings()
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         softcap = getattr(config, "final_logit_softcapping", None)
-        return cls(copy.deepcopy(head).cpu() if frozen_copy else head, softcap)
+        return cls(materialized_copy(head).cpu() if frozen_copy else head, softcap)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """float32 logits of ``hidden``, computed on the head's device in the head's dtype."""
         weight = next(self.lm_head.parameters())
-        logits = self.lm_head(hidden.to(device=weight.device, dtype=weight.dtype)).float()
+        logits = self.lm_head(hidden.to(device=module_device(self.lm_head), dtype=weight.dtype)).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
@@ -86,7 +88,8 @@ def tokenize(tokenizer: Any, text: str, max_tokens: int) -> Tensor:
 
 
 def _device(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
+    """Where the model takes its input ids: the embeddings' device (a split model's first device)."""
+    return module_device(model.get_input_embeddings())
 
 
 @torch.no_grad()
@@ -167,7 +170,7 @@ def _check_head(model: nn.Module, head: OutputHead, input_ids: Tensor) -> None:
     dtype = fed.dtype
     _agreement("the final hidden state (model.get_decoder() output)", final_hidden(model, ids), fed[0, :-1], dtype)
     home = next(head.lm_head.parameters()).device
-    head.to(fed.device)
+    head.to(module_device(live))
     try:
         recomputed = head.logits(fed)[0, :-1]
     finally:
@@ -235,7 +238,7 @@ def compare_to_reference(model: nn.Module, reference: list[ReferenceText], slice
     """One row per scored token: the columns of ``TOKEN_COLUMNS``."""
     frames = []
     head = OutputHead.of(model)
-    device = _device(model)
+    device = module_device(head.lm_head)  # a split model's head may live on another device than its input
     for index, ref in enumerate(reference):
         if ref.head is not None:
             ref.head.to(device)  # the frozen reference head computes where the quantized one does

@@ -204,6 +204,8 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     with timings.stage("load"):
         loaded = models.load(cfg.model, cfg.paths.cache_dir)
     quant.validate_for_model(loaded.model, cfg.quant)
+    from harness.placement import check_quantizable  # device=auto with disk offload: weights are not in place
+    check_quantizable(loaded.model, cfg.quant.weights is not None or cfg.quant.method != "rtn")
     key = run_key(cfg, loaded.identity)
     results_dir = prepare_results_dir(cfg, key)
     if (results_dir / "summary.json").exists() and not cfg.force:
@@ -269,8 +271,12 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
 
 def _quant_context(loaded: models.LoadedModel, cfg: RunConfig, cache: Cache) -> Any:
     from harness.quant.calibration import CalibrationContext
+    from harness.devices import AUTO, compute_device, module_device
+    # device=auto: calibration starts where the embeddings live; each block computes where it lives.
+    device = (module_device(loaded.model.get_input_embeddings()) if cfg.model.device == AUTO
+              else compute_device(cfg.model.device))
     return CalibrationContext(model_key=loaded.key, tokenizer=loaded.tokenizer, config=cfg.quant.calibration,
-                              device=torch.device(cfg.model.device), cache=cache, scheme=cfg.quant)
+                              device=device, cache=cache, scheme=cfg.quant)
 
 
 def write_results(directory: Path, cfg: RunConfig, comparison: summary.Comparison, tokens: list[pd.DataFrame],

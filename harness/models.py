@@ -9,11 +9,13 @@ natively bf16 checkpoint.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import importlib
 import importlib.util
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -250,8 +252,10 @@ def load_tokenizer(cfg: ModelConfig, cache: Cache) -> Any:
 
 
 def _offload_dir(cache: Cache, cfg: ModelConfig) -> Path:
-    """Where accelerate writes disk-offloaded weights of a device=auto model (per process)."""
-    return cache.root / "offload" / f"{cfg.name}-{os.getpid()}"
+    """Where accelerate writes disk-offloaded weights of a device=auto model (per process, removed at exit)."""
+    path = cache.root / "offload" / f"{cfg.name}-{os.getpid()}"
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def load(cfg: ModelConfig, cache_dir: str | os.PathLike) -> LoadedModel:

@@ -21,11 +21,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from harness.models import ModelLoadError
+
 log = logging.getLogger(__name__)
 
 
-class PlacementError(RuntimeError):
-    """The model cannot be placed under the given ``model.max_memory``."""
+class PlacementError(ModelLoadError):
+    """The model cannot be placed under the given ``model.max_memory`` (or a scheme cannot run on that placement)."""
 
 
 def _no_split(model: nn.Module) -> list[str]:
@@ -34,6 +36,10 @@ def _no_split(model: nn.Module) -> list[str]:
 
 def _check_map(device_map: dict[str, Any], max_memory: dict | None, size_bytes: int) -> None:
     placed = set(map(str, device_map.values()))
+    if list(device_map.values()) == ["disk"]:
+        raise PlacementError(
+            f"model.max_memory={max_memory} leaves no room on any device for the embeddings and one layer "
+            f"({size_bytes / 2**30:.2f} GiB model): everything would live on disk. Raise the GPU/CPU budget")
     if "disk" in placed and not (max_memory and "disk" in max_memory):
         budget = ", ".join(f"{k}: {v}" for k, v in (max_memory or {}).items()) or "all free memory"
         raise PlacementError(

@@ -38,9 +38,9 @@ RELATIVE = 0.25
 FLOOR_FACTOR = 4.0
 
 
-def _cfg(root: Path, dtype: str, scheme: str, extra: list[str]):
+def _cfg(root: Path, dtype: str, scheme: str, extra: list[str], results: str | None = None):
     return compose([*extra, f"quant={scheme}", f"model.dtype={dtype}", "tracking.enabled=false",
-                    "compare.n_resamples=1000", f"paths.results_dir={root / 'results' / dtype}",
+                    "compare.n_resamples=1000", f"paths.results_dir={root / 'results' / (results or dtype)}",
                     f"paths.cache_dir={root / 'cache'}"])
 
 
@@ -109,6 +109,18 @@ def test_bf16_floor_is_small_next_to_4bit_damage(tiny_runs, bf16_floor):
     four_bit = min(tiny_runs["float32", s]["metrics"]["math/kl_mean"]
                    for s in ("int4_g128", "nvfp4", "gptq_w4g128", "awq_w4g128"))
     assert 0 < bf16_floor < 0.1 * four_bit
+
+
+def test_bf16_every_reference_store(tiny_runs):
+    """logprobs (exact, full distributions) gives the hidden store's KL; topk a finite lower bound."""
+    root = tiny_runs["root"]
+    hidden = tiny_runs["bfloat16", "int4_g128"]["metrics"]["math/kl_mean"]
+    out = {}
+    for store in ("logprobs", "topk"):
+        cfg = _cfg(root, "bfloat16", "int4_g128", [*TINY, f"eval.reference_store={store}"], results=store)
+        out[store] = run_mod.run(cfg)["metrics"]["math/kl_mean"]
+    assert out["logprobs"] == pytest.approx(hidden, rel=1e-6, abs=0)
+    assert math.isfinite(out["topk"]) and 0 < out["topk"] <= hidden * (1 + 1e-6)
 
 
 @pytest.mark.slow

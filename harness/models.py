@@ -270,7 +270,8 @@ def load(cfg: ModelConfig, cache_dir: str | os.PathLike) -> LoadedModel:
         model, tokenizer, identity = build_tiny_random(cfg, cache)
     else:
         try:
-            model, tokenizer, identity = _load_hf(cfg, _offload_dir(cache, cfg))
+            auto = devices.normalize(cfg.device) == devices.AUTO
+            model, tokenizer, identity = _load_hf(cfg, _offload_dir(cache, cfg) if auto else Path(os.devnull))
         except OSError as exc:
             raise ModelLoadError(f"could not load model.path={cfg.path!r}: {exc}") from exc
     device = check_device(cfg.device, cfg.dtype)

@@ -97,7 +97,8 @@ class Cache:
         """
         lock_dir = self.root / namespace
         lock_dir.mkdir(parents=True, exist_ok=True)
-        return OwnedLock(lock_dir / f"{key}.lock", timeout_s=LOCK_TIMEOUT_S if timeout is None else timeout)
+        # ".lease", not ".lock": filelock (this cache's former lock) leaves empty <key>.lock files behind
+        return OwnedLock(lock_dir / f"{key}.lease", timeout_s=LOCK_TIMEOUT_S if timeout is None else timeout)
 
     def complete(self, namespace: str, key: str) -> bool:
         return (self.entry(namespace, key) / "COMPLETE").exists()

@@ -72,13 +72,21 @@ class OwnedLock:
         return True
 
     def _read_owner(self) -> tuple[dict[str, Any] | None, float | None]:
+        """(owner, heartbeat time) of the lock file; (None, None) when there is none.
+
+        A file without a readable owner (being written this instant, or left by something else)
+        yields an empty owner: it is judged by its heartbeat age alone.
+        """
         try:
             mtime = self.path.stat().st_mtime
-            return json.loads(self.path.read_text() or "null"), mtime
+            text = self.path.read_text()
         except FileNotFoundError:
             return None, None
-        except (OSError, ValueError):  # being written this instant: judge it on the next poll
-            return {}, time.time()
+        try:
+            owner = json.loads(text)
+        except ValueError:
+            owner = None
+        return (owner if isinstance(owner, dict) else {}), mtime
 
     def _stale_reason(self, owner: dict[str, Any], mtime: float) -> str | None:
         silent = time.time() - mtime
@@ -99,6 +107,7 @@ class OwnedLock:
             taken = json.loads(aside.read_text() or "null") or {}
         except (OSError, ValueError):
             taken = {}
+        taken = taken if isinstance(taken, dict) else {}
         if taken.get("token") != owner.get("token"):  # a fresh lock was taken meanwhile: put it back
             try:
                 os.link(aside, self.path)
@@ -124,7 +133,7 @@ class OwnedLock:
         announced = False
         while not self._try_create():
             owner, mtime = self._read_owner()
-            if owner and mtime is not None:
+            if owner is not None and mtime is not None:
                 reason = self._stale_reason(owner, mtime)
                 if reason:
                     self._break(owner, reason)

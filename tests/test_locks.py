@@ -98,6 +98,24 @@ def test_reentrant_within_a_process_and_released_once(tmp_path: Path) -> None:
     cache = Cache(tmp_path)
     with cache.lock("ns", "k"):
         with cache.lock("ns", "k", timeout=1):
-            assert (tmp_path / "ns" / "k.lock").exists()
-        assert (tmp_path / "ns" / "k.lock").exists()
-    assert not (tmp_path / "ns" / "k.lock").exists()
+            assert (tmp_path / "ns" / "k.lease").exists()
+        assert (tmp_path / "ns" / "k.lease").exists()
+    assert not (tmp_path / "ns" / "k.lease").exists()
+
+
+def test_an_ownerless_lock_file_is_judged_by_its_age(tmp_path: Path, caplog) -> None:
+    """An empty or unreadable lock file (left by a crash mid-write) is not waited on forever."""
+    path = tmp_path / "x.lock"
+    path.write_text("")
+    os.utime(path, (time.time() - 10, time.time() - 10))
+    caplog.set_level(logging.WARNING, "harness.locks")
+    with OwnedLock(path, timeout_s=5, stale_s=5):
+        pass
+    assert "broke the stale lock" in caplog.text
+
+
+def test_cache_leases_do_not_collide_with_filelock_leftovers(tmp_path: Path) -> None:
+    (tmp_path / "ns").mkdir()
+    (tmp_path / "ns" / "k.lock").write_text("")  # what filelock leaves behind, fresh
+    with Cache(tmp_path).lock("ns", "k", timeout=2):
+        pass

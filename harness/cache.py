@@ -2,8 +2,9 @@
 
 Keys are hashes of JSON-serialisable descriptions of what was computed (model identity,
 item set, settings), so two jobs that would compute the same thing share one entry, and
-a change in any input gives a new entry instead of a stale hit. Writers hold a file lock
-so concurrent jobs of a sweep never corrupt an entry; readers only see complete entries
+a change in any input gives a new entry instead of a stale hit. Writers hold an owned lock
+file (harness.locks: owner, heartbeat, stale-lock breaking; safe across the nodes of a shared
+filesystem, where flock may not be) so concurrent jobs of a sweep never corrupt an entry; readers only see complete entries
 because every write goes to a temporary path first and is renamed into place.
 """
 from __future__ import annotations
@@ -17,7 +18,10 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
-from filelock import FileLock
+from harness.locks import OwnedLock
+
+# How long a job waits for another job's lock (whose heartbeat is alive) before giving up with an error.
+LOCK_TIMEOUT_S = float(os.environ.get("HARNESS_LOCK_TIMEOUT_S", 12 * 3600))
 
 
 def stable_hash(obj: Any, length: int = 16) -> str:
@@ -84,11 +88,17 @@ class Cache:
     def entry(self, namespace: str, key: str) -> Path:
         return self.root / namespace / key
 
-    def lock(self, namespace: str, key: str, timeout: float = -1) -> FileLock:
-        """Lock for computing one entry: the first job computes, the others wait and reuse."""
+    def lock(self, namespace: str, key: str, timeout: float | None = None) -> OwnedLock:
+        """Lock for computing one entry: the first job computes, the others wait and reuse.
+
+        An owned lock file with a heartbeat (harness.locks): safe across nodes of a shared
+        filesystem, broken with a warning when its holder died, and waited on at most
+        ``timeout`` seconds (default ``$HARNESS_LOCK_TIMEOUT_S``, 12 h; negative: forever).
+        """
         lock_dir = self.root / namespace
         lock_dir.mkdir(parents=True, exist_ok=True)
-        return FileLock(str(lock_dir / f"{key}.lock"), timeout=timeout)
+        # ".lease", not ".lock": filelock (this cache's former lock) leaves empty <key>.lock files behind
+        return OwnedLock(lock_dir / f"{key}.lease", timeout_s=LOCK_TIMEOUT_S if timeout is None else timeout)
 
     def complete(self, namespace: str, key: str) -> bool:
         return (self.entry(namespace, key) / "COMPLETE").exists()

@@ -35,7 +35,14 @@ class ModelConfig:
     gguf_file: Optional[str] = None  # file inside the package (gguf_package only)
     revision: Optional[str] = None  # hub revision (pin it for reproducible sweeps)
     dtype: str = "float32"  # float32 on CPU; bfloat16 on GPU (bf16 is ~5x slower on CPU)
-    device: str = "cpu"  # cpu | cuda | cuda:N
+    # cpu | cuda | cuda:N | auto. An unindexed cuda becomes cuda:0 here, once (harness.devices.normalize);
+    # auto loads through accelerate's device_map="auto": layers spread over the visible GPUs, the rest
+    # offloaded to CPU RAM (then disk) past max_memory.
+    device: str = "cpu"
+    # device=auto only: accelerate's per-device budget, e.g. {"0": 70GiB, "1": 70GiB, cpu: 200GiB} (GPU indices
+    # quoted: keys are strings); empty: all free
+    # memory of every visible GPU (and CPU offload beyond it).
+    max_memory: dict[str, str] = field(default_factory=dict)
     chat_template: bool = True  # instruct models need their chat template
     max_length: int = 8192  # context window used for truncation and long-context buckets
     batch_size: int = 8  # lm-eval batch size; padding does not change answers (tested)
@@ -44,6 +51,10 @@ class ModelConfig:
     # layer's input size is allowed (shorter last group) or refused as a config error.
     ragged_groups: bool = False
     tiny: Optional[TinyModelConfig] = None  # only for source=tiny_random
+
+    def __post_init__(self) -> None:
+        from harness.devices import normalize
+        self.device = normalize(self.device)  # pure string work: no CUDA call at config time
 
 
 @dataclass

@@ -20,13 +20,15 @@ both, probability of the actual token under both, and the token's position.
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any, Iterator, Literal
 
 import pandas as pd
 import torch
 from torch import Tensor, nn
+
+from harness.devices import module_device
+from harness.placement import materialized_copy
 
 TOKEN_COLUMNS = ["slice", "text", "position", "nll_ref", "nll_quant", "kl", "kl_reverse",
                  "top1_ref", "top1_quant", "p_ref", "p_quant"]
@@ -47,14 +49,18 @@ class OutputHead(nn.Module):
         head = model.get_output_embeddings()
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         softcap = getattr(config, "final_logit_softcapping", None)
-        return cls(copy.deepcopy(head).cpu() if frozen_copy else head, softcap)
+        return cls(materialized_copy(head).cpu() if frozen_copy else head, softcap)
 
-    def log_probs(self, hidden: Tensor) -> Tensor:
-        device = next(self.lm_head.parameters()).device
-        logits = self.lm_head(hidden.to(device=device, dtype=next(self.lm_head.parameters()).dtype)).float()
+    def logits(self, hidden: Tensor) -> Tensor:
+        """float32 logits of ``hidden``, computed on the head's device in the head's dtype."""
+        weight = next(self.lm_head.parameters())
+        logits = self.lm_head(hidden.to(device=module_device(self.lm_head), dtype=weight.dtype)).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
-        return torch.log_softmax(logits, dim=-1)
+        return logits
+
+    def log_probs(self, hidden: Tensor) -> Tensor:
+        return torch.log_softmax(self.logits(hidden), dim=-1)
 
 
 @dataclass
@@ -82,7 +88,8 @@ def tokenize(tokenizer: Any, text: str, max_tokens: int) -> Tensor:
 
 
 def _device(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
+    """Where the model takes its input ids: the embeddings' device (a split model's first device)."""
+    return module_device(model.get_input_embeddings())
 
 
 @torch.no_grad()
@@ -105,16 +112,70 @@ def _log_probs(model: nn.Module, input_ids: Tensor) -> Tensor:
     return torch.cat([head.log_probs(hidden[a:b]) for a, b in _chunks(len(hidden))])
 
 
+def relative_tolerance(dtype: torch.dtype) -> float:
+    """Relative agreement expected of two computations of the same values in ``dtype``.
+
+    Four units of the dtype's epsilon (bf16: 0.031, fp16: 0.0039), never below 1e-5: a GEMM
+    whose accumulation order differs (another kernel, another device), or a soft-cap evaluated
+    in the low dtype, moves an output by one to three rounding steps of the dtype (a step is at
+    most eps·|x|); a wrong head (missing soft-cap, a logit scale, another weight) moves most
+    outputs by far more.
+    """
+    return max(4 * torch.finfo(dtype).eps, 1e-5)
+
+
+def _agreement(name: str, got: Tensor, expected: Tensor, dtype: torch.dtype) -> None:
+    """Raise when ``got`` and ``expected`` differ by more than ``dtype``'s rounding allows.
+
+    Per element: |Δ| <= tol · (|expected| + mean |expected|), tol = :func:`relative_tolerance`;
+    the mean term covers values near zero, whose rounding error comes from the summands.
+    """
+    got, expected = got.float(), expected.to(device=got.device).float()
+    tol = relative_tolerance(dtype)
+    bound = tol * (expected.abs() + expected.abs().mean())
+    excess = (got - expected).abs() - bound
+    if not bool((excess <= 0).all()) or not bool(torch.isfinite(got).all()):
+        gap = (got - expected).abs().max().item()
+        share = (excess > 0).float().mean().item()
+        raise RuntimeError(f"{name} differs from the model's own forward (max |Δ| {gap:.3g}, {share:.2%} of values "
+                           f"beyond {tol:.3g}·(|x| + mean|x|) for {dtype}); the model's output layer is one this "
+                           "harness cannot recompute from hidden states: use eval.reference_store=logprobs")
+
+
 @torch.no_grad()
 def _check_head(model: nn.Module, head: OutputHead, input_ids: Tensor) -> None:
-    """The recomputed head must reproduce the model's logits (catches unusual output layers)."""
+    """The frozen head on stored hidden states must reproduce the model's logits.
+
+    Checked where and how the comparison will compute: the frozen head visits the device of
+    the model's own head and keeps its dtype, and both halves of the recomputation are
+    compared with what the model's forward produced from the same input (no CPU-vs-GPU or
+    fp32-vs-bf16 gap is mistaken for a wrong head): (1) the decoder path of
+    :func:`final_hidden` against the input the model fed its output layer; (2) the frozen
+    head on that very input, same shape, against the model's logits (this catches soft-caps,
+    logit scales and heads other than ``get_output_embeddings``). Tolerances follow the dtype
+    (:func:`relative_tolerance`).
+    """
     ids = input_ids[:64]
-    expected = torch.log_softmax(model(ids.unsqueeze(0).to(_device(model)), use_cache=False).logits[0, :-1].float(), -1)
-    got = head.log_probs(final_hidden(model, ids)).to(expected.device)
-    if not torch.allclose(got, expected, atol=1e-3, rtol=1e-3):
-        gap = (got - expected).abs().max().item()
-        raise RuntimeError(f"the output head recomputed from hidden states differs from the model's logits "
-                           f"(max |Δlogp| {gap:.3g}); use eval.reference_store=logprobs for this model")
+    live = model.get_output_embeddings()
+    captured: dict[str, Tensor] = {}
+    handle = live.register_forward_pre_hook(lambda _module, args: captured.__setitem__("x", args[0]))
+    try:
+        logits = model(ids.unsqueeze(0).to(_device(model)), use_cache=False).logits[0, :-1]
+    finally:
+        handle.remove()
+    if "x" not in captured:
+        raise RuntimeError("the model's forward never called its output embeddings (get_output_embeddings()); "
+                           "use eval.reference_store=logprobs for this model")
+    fed = captured["x"]
+    dtype = fed.dtype
+    _agreement("the final hidden state (model.get_decoder() output)", final_hidden(model, ids), fed[0, :-1], dtype)
+    home = next(head.lm_head.parameters()).device
+    head.to(module_device(live))
+    try:
+        recomputed = head.logits(fed)[0, :-1]
+    finally:
+        head.to(home)
+    _agreement("the output head recomputed from hidden states", recomputed, logits, dtype)
 
 
 @torch.no_grad()
@@ -177,7 +238,7 @@ def compare_to_reference(model: nn.Module, reference: list[ReferenceText], slice
     """One row per scored token: the columns of ``TOKEN_COLUMNS``."""
     frames = []
     head = OutputHead.of(model)
-    device = _device(model)
+    device = module_device(head.lm_head)  # a split model's head may live on another device than its input
     for index, ref in enumerate(reference):
         if ref.head is not None:
             ref.head.to(device)  # the frozen reference head computes where the quantized one does

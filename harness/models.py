@@ -9,11 +9,13 @@ natively bf16 checkpoint.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import importlib
 import importlib.util
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +23,7 @@ from typing import Any
 
 import torch
 
+from harness import devices
 from harness.cache import Cache, file_sha256, stable_hash
 from harness.config import ModelConfig
 
@@ -53,12 +56,15 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ModelLoadError(f"model.dtype={name!r} is not one of {sorted(DTYPES)}") from None
 
 
-def check_device(device: str) -> None:
-    """Fail before loading when the configured device does not exist here."""
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ModelLoadError(
-            f"model.device={device!r} but torch sees no CUDA device (torch {torch.__version__}). "
-            "On a CPU machine pass model.device=cpu model.dtype=float32.")
+def check_device(device: str, dtype: str = "float32") -> str:
+    """Fail before loading when the configured device does not exist here or cannot run ``dtype``.
+
+    Returns the normalised device name (``cuda`` → ``cuda:0``).
+    """
+    try:
+        return devices.check(device, torch_dtype(dtype))
+    except devices.DeviceError as exc:
+        raise ModelLoadError(str(exc)) from None
 
 
 def _package_dir(package: str) -> Path:
@@ -114,7 +120,14 @@ def _in_hf_cache(repo_id: str, revision: str | None) -> bool:
 def check_available(cfg: ModelConfig) -> None:
     """Cheap checks run before any expensive work: device, dtype, source reachability."""
     torch_dtype(cfg.dtype)
-    check_device(cfg.device)
+    device = check_device(cfg.device, cfg.dtype)
+    try:
+        max_memory = devices.parse_max_memory(cfg.max_memory)
+    except devices.DeviceError as exc:
+        raise ModelLoadError(str(exc)) from None
+    if max_memory and device != devices.AUTO:
+        raise ModelLoadError(f"model.max_memory={dict(cfg.max_memory)} only applies to model.device=auto "
+                             f"(got model.device={cfg.device!r}); drop it or set model.device=auto")
     if cfg.source == "hf":
         if not cfg.path:
             raise ModelLoadError("model.path is empty: give a hub id or a local directory")
@@ -164,13 +177,20 @@ def _load_gguf(cfg: ModelConfig, cache: Cache, timings: dict[str, float]) -> tup
     return model, tokenizer, identity
 
 
-def _load_hf(cfg: ModelConfig) -> tuple[Any, Any, dict]:
+def _load_hf(cfg: ModelConfig, offload_dir: Path) -> tuple[Any, Any, dict]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     local = Path(cfg.path).expanduser()
     kwargs: dict[str, Any] = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
-    if cfg.device.startswith("cuda"):
-        kwargs["device_map"] = cfg.device
+    device = devices.normalize(cfg.device)
+    if device.startswith("cuda"):
+        kwargs["device_map"] = device
+    elif device == devices.AUTO:
+        from harness.placement import check_fits
+        source = str(local) if local.is_dir() else cfg.path
+        check_fits(source, cfg, offload_dir)  # max_memory that cannot hold the model fails before any weight is read
+        kwargs.update(device_map="auto", max_memory=devices.parse_max_memory(cfg.max_memory),
+                      offload_folder=str(offload_dir))
     model = AutoModelForCausalLM.from_pretrained(str(local) if local.is_dir() else cfg.path,
                                                  dtype=torch_dtype(cfg.dtype), **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(str(local) if local.is_dir() else cfg.path,
@@ -231,6 +251,13 @@ def load_tokenizer(cfg: ModelConfig, cache: Cache) -> Any:
     return AutoTokenizer.from_pretrained(cfg.path, revision=cfg.revision)
 
 
+def _offload_dir(cache: Cache, cfg: ModelConfig) -> Path:
+    """Where accelerate writes disk-offloaded weights of a device=auto model (per process, removed at exit)."""
+    path = cache.root / "offload" / f"{cfg.name}-{os.getpid()}"
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
 def load(cfg: ModelConfig, cache_dir: str | os.PathLike) -> LoadedModel:
     """Load a model and its tokenizer on the configured device and dtype, in eval mode."""
     check_available(cfg)
@@ -243,15 +270,21 @@ def load(cfg: ModelConfig, cache_dir: str | os.PathLike) -> LoadedModel:
         model, tokenizer, identity = build_tiny_random(cfg, cache)
     else:
         try:
-            model, tokenizer, identity = _load_hf(cfg)
+            auto = devices.normalize(cfg.device) == devices.AUTO
+            model, tokenizer, identity = _load_hf(cfg, _offload_dir(cache, cfg) if auto else Path(os.devnull))
         except OSError as exc:
             raise ModelLoadError(f"could not load model.path={cfg.path!r}: {exc}") from exc
-    if not cfg.device.startswith("cuda") or cfg.source != "hf":
-        model = model.to(cfg.device)
+    device = check_device(cfg.device, cfg.dtype)
+    if device == devices.AUTO:
+        if cfg.source != "hf":  # built or loaded in host memory: spread it now
+            from harness.placement import dispatch
+            model = dispatch(model, devices.parse_max_memory(cfg.max_memory), _offload_dir(cache, cfg))
+    elif not device.startswith("cuda") or cfg.source != "hf":
+        model = model.to(device)
     model.eval()
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     identity.update({"name": cfg.name, "dtype": cfg.dtype})
     timings["load_s"] = time.perf_counter() - start
-    log.info("loaded %s in %.1fs (%s, %s)", cfg.name, timings["load_s"], cfg.device, cfg.dtype)
+    log.info("loaded %s in %.1fs (%s, %s)", cfg.name, timings["load_s"], device, cfg.dtype)
     return LoadedModel(model=model, tokenizer=tokenizer, identity=identity, timings=timings)

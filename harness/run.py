@@ -25,8 +25,8 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from harness import (candidate, cli, divergence, evaluate, gate, ledger, longgen, models, quant, report, summary,
-                     sweep, tracking)
+from harness import (candidate, cli, devices, divergence, evaluate, gate, ledger, longgen, models, placement, quant,
+                     report, summary, sweep, tracking)
 from harness.cache import Cache, atomic_write_json, atomic_write_text
 from harness.config import RunConfig
 from harness.identity import config_dict, eval_settings, run_key, run_name, to_config, tokenizer_dir
@@ -99,6 +99,7 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     with timings.stage("load"):
         loaded = models.load(cfg.model, cfg.paths.cache_dir)
     quant.validate_for_model(loaded.model, cfg.quant)
+    placement.check_quantizable(loaded.model, quant.changes_weights(cfg.quant))  # device=auto with disk offload
     key = run_key(cfg, loaded.identity)
     results_dir = prepare_results_dir(cfg, key)
     if (results_dir / "summary.json").exists() and not cfg.force:
@@ -236,8 +237,11 @@ def load_candidate(reference: models.LoadedModel,
 
 def _quant_context(loaded: models.LoadedModel, cfg: RunConfig, cache: Cache) -> Any:
     from harness.quant.calibration import CalibrationContext
+    # device=auto: calibration starts where the embeddings live; each block computes where it lives.
+    device = (devices.module_device(loaded.model.get_input_embeddings()) if cfg.model.device == devices.AUTO
+              else devices.compute_device(cfg.model.device))
     return CalibrationContext(model_key=loaded.key, tokenizer=loaded.tokenizer, config=cfg.quant.calibration,
-                              device=torch.device(cfg.model.device), cache=cache, scheme=cfg.quant)
+                              device=device, cache=cache, scheme=cfg.quant)
 
 
 def write_records(directory: Path, cfg: RunConfig, items: pd.DataFrame, tokens: pd.DataFrame,

@@ -18,8 +18,10 @@ Linux as root (the intended deployment, and what the tests exercise):
     group with setsid() are killed by ``kill(-1, SIGKILL)`` sent as that uid (exactly this run's processes);
     the call returns only when none is alive.
   * A new network namespace with only a loopback that is down: no connection anywhere, 127.0.0.1 included.
-  * A new mount namespace: the world-writable /tmp, /var/tmp, /dev/shm and /run/lock become bind mounts of the
-    sandbox directory (nothing can be left there), and an interpreter installed below a directory others cannot
+  * A new mount namespace: the sandbox directory becomes a size-limited tmpfs (``max_total_bytes``, 64 MiB by
+    default, and at most ``_MAX_INODES`` files), so the program's total writes are bounded — not only each
+    file's size — and never reach the host's disk; the world-writable /tmp, /var/tmp, /dev/shm and /run/lock
+    become bind mounts of that tmpfs (nothing can be left there, and writes there count too), and an interpreter installed below a directory others cannot
     enter (pyenv under /root, mode 0700) is exposed through a tmpfs over that directory, hiding the rest of it.
   * PR_SET_NO_NEW_PRIVS (setuid binaries cannot regain root); PR_SET_PDEATHSIG (dies if the parent dies).
 
@@ -30,7 +32,7 @@ kernel attack surface for hostile code): with ``network=False`` an audit hook re
 a speed bump that ctypes or a subprocess (``curl``) gets past. macOS ignores RLIMIT_AS; Windows is unsupported.
 
 Nowhere enforced: reading world-readable files (the only channel out is the returned output), total disk use
-in the sandbox directory (only each file's size), CPU share (no cgroups). Orphans killed after their parent died
+when not root (only each file's size: no mount namespace, no tmpfs), CPU share (no cgroups). Orphans killed after their parent died
 are reaped by PID 1; under a container init that never reaps, their zombies (dead, holding only a pid) remain.
 """
 
@@ -69,6 +71,7 @@ _SETUP_EXIT_CODE = 125  # what env(1) and unshare(1) use for "the wrapper itself
 _SETUP_MARKER = "sandbox-setup-error:"
 _UID_RANGE = (1_500_000_000, 1_600_000_000)  # far above what distributions, LDAP or containers hand out
 _MAX_OPEN_FILES = 256
+_MAX_INODES = 4096  # files + directories a sandboxed program may create (tmpfs nr_inodes)
 _READ_CHUNK = 65_536
 _POLL_S = 0.05
 _DRAIN_GRACE_S = 1.0
@@ -134,15 +137,19 @@ def run_python(
     network: bool = False,
     max_processes: int = 64,
     max_file_bytes: int = 16 * 2**20,
+    max_total_bytes: int = 64 * 2**20,
 ) -> SandboxResult:
     """Run ``program`` as ``__main__`` in a sandbox and report how it ended.
 
     ``timeout_s`` is wall-clock time enforced by this process; ``cpu_s`` (default: the timeout rounded up,
     plus one second) is RLIMIT_CPU per process. ``memory_mb`` caps the address space of each process,
     ``max_processes`` the processes and threads it may have at once, ``max_file_bytes`` the size of any
-    file it writes. ``network=True`` skips the network namespace (the program then reaches the host's network).
+    file it writes, ``max_total_bytes`` what all its files together may hold (as root: the size of the tmpfs
+    that is its directory and /tmp; a write past it fails with ENOSPC). ``network=True`` skips the network namespace (the program then reaches the host's network).
     """
     _validate_limits(timeout_s, memory_mb, cpu_s, max_output_bytes, max_processes, max_file_bytes)
+    if max_total_bytes < 2**20:
+        raise ValueError(f"max_total_bytes={max_total_bytes!r} is invalid; pass at least 1 MiB (1048576)")
     if sys.platform == "win32":
         raise NotImplementedError("run_python needs POSIX rlimits and process groups; run it on Linux or macOS")
     sandbox_uid = _allocate_uid() if os.geteuid() == 0 else None
@@ -159,6 +166,7 @@ def run_python(
             "cpu_s": cpu_s if cpu_s is not None else math.ceil(timeout_s) + 1,
             "nproc": _nproc_limit(max_processes, sandbox_uid),
             "file_bytes": max_file_bytes,
+            "total_bytes": max_total_bytes,
         }
         command = [sys.executable, "-I", "-S", str(Path(__file__).resolve()), json.dumps(config)]
         try:
@@ -410,6 +418,7 @@ def _enter_namespaces(config: dict[str, Any]) -> tuple[str, bool]:
     if config["uid"] is not None and libc.unshare(_CLONE_NEWNS) == 0:
         _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE)
         _expose_interpreter(libc)
+        _cap_directory(libc, config["total_bytes"], config["uid"])
         home = _redirect_shared_tmp(libc)
     network_isolated = not config["network"] and libc.unshare(_CLONE_NEWNET) == 0
     return home, network_isolated
@@ -445,6 +454,17 @@ def _expose_interpreter(libc: ctypes.CDLL) -> None:
             os.makedirs(root, mode=0o755, exist_ok=True)
             _mount(libc, stage, root, None, _MS_MOVE)
             os.rmdir(stage)
+
+
+def _cap_directory(libc: ctypes.CDLL, total_bytes: int, uid: int) -> None:
+    """Replace the sandbox directory (the cwd) by a tmpfs of ``total_bytes`` holding only the program."""
+    program = Path(_PROGRAM_NAME).read_bytes()
+    here = os.getcwd()
+    _mount(libc, "tmpfs", here, "tmpfs", _MS_NOSUID | _MS_NODEV,
+           f"size={total_bytes},nr_inodes={_MAX_INODES},mode=0700,uid={uid},gid={uid}")
+    os.chdir(here)  # the cwd still named the directory under the mount
+    Path(_PROGRAM_NAME).write_bytes(program)
+    os.chown(_PROGRAM_NAME, uid, uid)
 
 
 def _redirect_shared_tmp(libc: ctypes.CDLL) -> str:

@@ -136,3 +136,71 @@ def test_hidden_state_store_is_exact_and_small(models):
     same = compare_to_reference(reference, score_reference(reference, CharTokenizer(), TEXTS, max_tokens=512,
                                                            store="hidden"), "s")
     assert (same["kl"] == 0).all() and (same["kl_reverse"] == 0).all()
+
+
+def _bf16_step(values: torch.Tensor, fraction: float, seed: int = 0) -> torch.Tensor:
+    """``values`` (bf16) with a random ``fraction`` of entries moved one bf16 step up or down."""
+    generator = torch.Generator().manual_seed(seed)
+    pick = torch.rand(values.shape, generator=generator) < fraction
+    up = torch.rand(values.shape, generator=generator) < 0.5
+    towards = torch.where(up, torch.full_like(values, float("inf")), torch.full_like(values, float("-inf")))
+    return torch.where(pick, torch.nextafter(values, towards), values)
+
+
+def test_tolerance_accepts_one_rounding_step_that_allclose_1e3_rejected():
+    """Two bf16 GEMMs that accumulate in a different order differ by one bf16 step on a few logits
+    (seen at 8B shapes: 0.01 % of logits, max |Δ log p| 0.031). The dtype-derived tolerance accepts
+    that; the former atol = rtol = 1e-3 check rejected it."""
+    from harness.divergence import _agreement
+    torch.manual_seed(0)
+    logits = (6 * torch.randn(63, 4096)).to(torch.bfloat16)
+    other = _bf16_step(logits, 1e-4)
+    top = logits[0].argmax()  # one step on a leading logit moves log p of the whole row
+    other[0, top] = torch.nextafter(logits[0, top], torch.tensor(float("inf"), dtype=torch.bfloat16))
+    assert not torch.equal(other, logits)
+    assert not torch.allclose(torch.log_softmax(other.float(), -1), torch.log_softmax(logits.float(), -1),
+                              atol=1e-3, rtol=1e-3)
+    _agreement("logits", other, logits, torch.bfloat16)  # does not raise
+    with pytest.raises(RuntimeError, match="differs from the model's own forward"):
+        _agreement("logits", (logits.float() * 1.1).to(torch.bfloat16), logits, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_check_passes_in_the_models_dtype(models, dtype):
+    reference = copy.deepcopy(models[0]).to(dtype)
+    refs = score_reference(reference, CharTokenizer(), TEXTS, max_tokens=512, store="hidden")
+    assert refs[0].head is not None and next(refs[0].head.parameters()).dtype == dtype
+    assert next(refs[0].head.parameters()).device.type == "cpu"  # moved back after the check
+    same = compare_to_reference(reference, refs, "s")
+    assert (same["kl"] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("wrong", ["softcap", "logit_scale", "other_weight"])
+def test_head_check_catches_a_wrong_head(models, dtype, wrong, monkeypatch):
+    """A head the harness would recompute wrongly fails the check, in fp32 and in bf16."""
+    from harness import divergence
+    reference = copy.deepcopy(models[0]).to(dtype)
+    if wrong == "softcap":  # OutputHead applies a soft-cap this model's forward does not
+        reference.config.final_logit_softcapping = 4.0
+    elif wrong == "logit_scale":  # the model scales its logits after the head (Granite, Cohere do)
+        original = reference.forward
+
+        def scaled(*args, **kwargs):
+            out = original(*args, **kwargs)
+            out.logits = out.logits * 1.25
+            return out
+        monkeypatch.setattr(reference, "forward", scaled)
+    else:  # the frozen copy is not the head the model uses
+        of = divergence.OutputHead.of
+
+        def perturbed(model, *, frozen_copy=False):
+            head = of(model, frozen_copy=frozen_copy)
+            if frozen_copy:
+                with torch.no_grad():
+                    weight = head.lm_head.weight
+                    weight.add_(0.1 * weight.float().std() * torch.randn(weight.shape).to(weight.dtype))
+            return head
+        monkeypatch.setattr(divergence.OutputHead, "of", staticmethod(perturbed))
+    with pytest.raises(RuntimeError, match="reference_store=logprobs"):
+        score_reference(reference, CharTokenizer(), TEXTS, max_tokens=512, store="hidden")

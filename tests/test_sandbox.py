@@ -347,3 +347,59 @@ def test_unstartable_interpreter_is_an_error_not_a_failure(monkeypatch: pytest.M
 def test_invalid_limits_name_the_bad_value(limits: dict[str, float], named: str) -> None:
     with pytest.raises(ValueError, match=named):
         run_python("pass", **limits)
+
+
+_WRITE_MANY = textwrap.dedent("""
+    import os
+    written = 0
+    try:
+        for index in range({files}):
+            for where in ("f{{}}.bin", "/tmp/t{{}}.bin"):
+                with open(where.format(index), "wb") as handle:
+                    handle.write(b"x" * {size})
+                written += {size}
+    except OSError as exc:
+        print("stopped after", written, "bytes:", exc.strerror)
+        raise SystemExit(3)
+    print("wrote", written)
+""")
+
+
+@requires_root
+def test_total_writes_are_capped_not_only_each_file() -> None:
+    """Many files each under the per-file cap (8 MB < 16 MB) stop at the total cap, /tmp included."""
+    result = run_python(_WRITE_MANY.format(files=20, size=8 * 2**20), max_total_bytes=40 * 2**20,
+                        memory_mb=256, timeout_s=30)
+    assert result.status == "failed" and result.returncode == 3, result
+    assert "No space left on device" in result.stdout
+    stopped = int(result.stdout.split("stopped after ")[1].split()[0])
+    assert 24 * 2**20 <= stopped <= 40 * 2**20  # everything up to the cap was written, nothing past it
+
+
+@requires_root
+def test_writes_under_the_total_cap_succeed_and_vanish(tmp_path: Path) -> None:
+    result = run_python(_WRITE_MANY.format(files=2, size=2**20), max_total_bytes=8 * 2**20, timeout_s=30)
+    assert result.passed and result.stdout.strip() == f"wrote {4 * 2**20}", result
+    assert not any(Path("/tmp").glob("t0.bin"))  # /tmp writes landed in the sandbox's tmpfs
+
+
+@requires_root
+def test_many_tiny_files_are_capped_by_the_inode_limit() -> None:
+    program = textwrap.dedent("""
+        count = 0
+        try:
+            while True:
+                open(f"f{count}", "w").close()
+                count += 1
+        except OSError as exc:
+            print(count, exc.strerror)
+    """)
+    result = run_python(program, timeout_s=30)
+    assert result.passed, result
+    count = int(result.stdout.split()[0])
+    assert count < sandbox._MAX_INODES and "No space left on device" in result.stdout
+
+
+def test_total_cap_below_one_mebibyte_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_total_bytes"):
+        run_python("pass", max_total_bytes=1000)

@@ -24,7 +24,7 @@ from harness.quant.kv import install_kv_quant
 from harness.quant.linear import calibrate_static_scales, install_activation_quant
 from harness.quant.tensor import NumberFormat, SchemeError, fake_quantize, get_format, register_format
 
-__all__ = ["apply", "MethodSpec", "NumberFormat", "QuantReport", "SchemeError", "available_methods",
+__all__ = ["apply", "changes_weights", "MethodSpec", "NumberFormat", "QuantReport", "SchemeError", "available_methods",
            "calibration_passes", "fake_quantize", "get_format", "get_method", "is_reference", "method_settings",
            "register_format", "register_method", "target_linears", "validate_for_model", "validate_scheme",
            "with_model_defaults"]
@@ -33,6 +33,12 @@ __all__ = ["apply", "MethodSpec", "NumberFormat", "QuantReport", "SchemeError", 
 def is_reference(scheme: QuantConfig) -> bool:
     """True when the scheme changes nothing (the reference model itself)."""
     return scheme.weights is None and scheme.activations is None and scheme.kv_cache is None
+
+
+def changes_weights(scheme: QuantConfig) -> bool:
+    """True when applying the scheme rewrites weights: a weight grid, or a calibrated method (which
+    solves or folds into them, e.g. SmoothQuant's scales into the norms)."""
+    return scheme.weights is not None or get_method(scheme.method).calibrated
 
 
 def apply(model: nn.Module, scheme: QuantConfig, context: Any = None) -> QuantReport:

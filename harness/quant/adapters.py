@@ -27,6 +27,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor, nn
 
+from harness.devices import compute_device, set_thread_device
+
 log = logging.getLogger(__name__)
 
 
@@ -227,8 +229,7 @@ class _BatchThread(threading.Thread):
         try:
             if self.inbox.get() == "abort":
                 return
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
+            set_thread_device(self.device)  # the current CUDA device is per thread; always indexed
             with torch.no_grad():  # grad mode is per thread
                 self.outbox.put(("done", run_block(self.block, self.hidden, self.extra)))
         except _Abort:
@@ -273,7 +274,7 @@ def staged_forward(block: nn.Module, hidden: list[Tensor], extras: list[Extra], 
             on_input(stage, args[0])
             thread.pause(stage)
         handles.append(module.register_forward_pre_hook(hook))
-    threads = [_BatchThread(block, h, e, torch.device(device)) for h, e in zip(hidden, extras)]
+    threads = [_BatchThread(block, h, e, compute_device(device)) for h, e in zip(hidden, extras)]
     for thread in threads:
         thread.start()
     try:
@@ -309,7 +310,14 @@ def _device_of(module: nn.Module) -> torch.device | None:
 
 @contextlib.contextmanager
 def block_on_device(block: nn.Module, device: torch.device) -> Iterator[nn.Module]:
-    """Move one block to the compute device and back to where it lived (no-op when they agree)."""
+    """Move one block to the compute device and back to where it lived (no-op when they agree).
+
+    A block that accelerate placed (``model.device=auto``) stays where it is and computes there:
+    its hook moves its inputs to its own device, so moving its weights would split the two.
+    """
+    if getattr(block, "_hf_hook", None) is not None:
+        yield block
+        return
     home = _device_of(block)
     block.to(device)
     try:

@@ -87,31 +87,67 @@ def run_cached(model: nn.Module, scheme: QuantConfig, context: Any, report: Quan
         return False
 
 
+_SHARDS = "shards.json"  # {file: [tensor names]}: one safetensors file per decoder block (or other module)
+
+
+def _shard_of(name: str) -> str:
+    """The shard a parameter is stored in: its block (``model.layers.7``) or its top module."""
+    parts = name.split(".")
+    for index, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[:index + 1])
+    return parts[0]
+
+
 def _store(model: nn.Module, names: list[str], layers: list[LayerReport], cache: Any, key: str) -> None:
+    """Write the changed parameters one shard (decoder block) at a time.
+
+    Only one shard's tensors are copied to host memory at once, so the peak host RAM of a save
+    is about the largest block's changed weights (8B in bf16: ~0.4 GB), not all of them (~14 GB).
+    """
     from safetensors.torch import save_file
 
     params = dict(model.named_parameters(remove_duplicate=False))
     missing = [n for n in names if n not in params]
     if missing:
         raise KeyError(f"calibrated parameters {missing[:3]} are not parameters of the model")
-    tensors = {name: params[name].detach().to("cpu").contiguous().clone() for name in sorted(set(names))}
+    shards: dict[str, list[str]] = {}
+    for name in sorted(set(names)):
+        shards.setdefault(_shard_of(name), []).append(name)
+    index: dict[str, list[str]] = {}
     with cache.writing(NAMESPACE, key) as directory:
-        save_file(tensors, str(directory / _TENSORS))
+        for number, (_shard, members) in enumerate(shards.items()):
+            filename = f"weights-{number:05d}.safetensors"
+            tensors = {name: params[name].detach().to("cpu").contiguous().clone() for name in members}
+            save_file(tensors, str(directory / filename))
+            del tensors
+            index[filename] = members
+        (directory / _SHARDS).write_text(json.dumps(index, indent=1))
         (directory / _REPORT).write_text(json.dumps([dataclasses.asdict(l) for l in layers], indent=1))
 
 
 @torch.no_grad()
 def _load(model: nn.Module, directory: Any, report: QuantReport) -> None:
-    from safetensors.torch import load_file
+    """Copy the stored parameters into ``model`` one tensor at a time (memory-mapped reads).
 
-    tensors = load_file(str(directory / _TENSORS))
+    Reads the sharded layout and the single-file layout of older entries alike.
+    """
+    from safetensors import safe_open
+
+    files = (list(json.loads((directory / _SHARDS).read_text())) if (directory / _SHARDS).exists()
+             else [_TENSORS])
     params = dict(model.named_parameters(remove_duplicate=False))
-    for name, value in tensors.items():
-        if name not in params or params[name].shape != value.shape:
-            raise RuntimeError(
-                f"calibrated cache entry {directory} does not match this model ({name}: "
-                f"{tuple(value.shape)} vs {tuple(params[name].shape) if name in params else 'absent'}); "
-                "delete the entry to recompute it")
-        params[name].data.copy_(value.to(device=params[name].device, dtype=params[name].dtype))
+    for filename in files:
+        with safe_open(str(directory / filename), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                shape = tuple(handle.get_slice(name).get_shape())
+                if name not in params or tuple(params[name].shape) != shape:
+                    raise RuntimeError(
+                        f"calibrated cache entry {directory} does not match this model ({name}: "
+                        f"{shape} vs {tuple(params[name].shape) if name in params else 'absent'}); "
+                        "delete the entry to recompute it")
+                value = handle.get_tensor(name)
+                params[name].data.copy_(value.to(device=params[name].device, dtype=params[name].dtype))
+                del value
     for record in json.loads((directory / _REPORT).read_text()):
         report.layers.append(LayerReport(**record))

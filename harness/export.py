@@ -292,7 +292,7 @@ TOOL = cli.Tool(prog="python -m harness.export", options=ExportOptions, run_conf
 
 
 def _body(parsed: cli.Parsed[ExportOptions]) -> int:
-    from harness import models, quant
+    from harness import quant
     from harness.quant.base import target_linears
 
     options = parsed.options

@@ -70,6 +70,7 @@ class Prepared:
 
 def prepare(cfg: RunConfig) -> Prepared:
     """Check the scheme, load the model and build its calibration context (no quantization yet)."""
+    from harness.devices import calibration_device
     from harness.quant.calibration import CalibrationContext
     from harness.runtime import apply_threads
 
@@ -80,7 +81,8 @@ def prepare(cfg: RunConfig) -> Prepared:
     loaded = models.load(cfg.model, cfg.paths.cache_dir)
     quant.validate_for_model(loaded.model, scheme)
     context = CalibrationContext(model_key=loaded.key, tokenizer=loaded.tokenizer, config=scheme.calibration,
-                                 device=torch.device(cfg.model.device), cache=Cache(cfg.paths.cache_dir), scheme=scheme)
+                                 device=calibration_device(loaded.model, cfg.model.device),
+                                 cache=Cache(cfg.paths.cache_dir), scheme=scheme)
     return Prepared(loaded, scheme, context)
 
 

@@ -237,11 +237,9 @@ def load_candidate(reference: models.LoadedModel,
 
 def _quant_context(loaded: models.LoadedModel, cfg: RunConfig, cache: Cache) -> Any:
     from harness.quant.calibration import CalibrationContext
-    # device=auto: calibration starts where the embeddings live; each block computes where it lives.
-    device = (devices.module_device(loaded.model.get_input_embeddings()) if cfg.model.device == devices.AUTO
-              else devices.compute_device(cfg.model.device))
     return CalibrationContext(model_key=loaded.key, tokenizer=loaded.tokenizer, config=cfg.quant.calibration,
-                              device=device, cache=cache, scheme=cfg.quant)
+                              device=devices.calibration_device(loaded.model, cfg.model.device), cache=cache,
+                              scheme=cfg.quant)
 
 
 def write_records(directory: Path, cfg: RunConfig, items: pd.DataFrame, tokens: pd.DataFrame,

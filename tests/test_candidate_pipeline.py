@@ -3,7 +3,6 @@ and evaluated as `quant=external candidate.path=...` gives the same per-item res
 own fake-quant run (the export round trip), and contradictory configs fail before any work."""
 from __future__ import annotations
 
-import copy
 import json
 
 import pandas as pd

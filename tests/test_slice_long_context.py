@@ -115,6 +115,23 @@ def test_needles_sit_at_their_depth_and_answers_are_in_the_text() -> None:
         assert abs(needle_at / len(context) - item["depth"]) < tolerance, item["id"]
 
 
+def test_vartrack_chain_and_optional_decoy_chain(monkeypatch: pytest.MonkeyPatch) -> None:
+    import random
+
+    probe = generate.make_probe("vartrack", 0.5, random.Random("x"))
+    statements = [text for _, text in probe.inserts]
+    value = re.search(r"value (\d+)", probe.question).group(1)
+    first, *rest = probe.answers
+    assert statements[0] == f"VAR {first} = {value}."
+    assert statements[1:] == [f"VAR {b} = VAR {a}." for a, b in zip(probe.answers, rest)]
+    assert probe.distractors == []
+    monkeypatch.setattr(generate, "VARTRACK_DECOY_CHAINS", 1)
+    probe = generate.make_probe("vartrack", 0.5, random.Random("x"))
+    assert len(probe.distractors) == len(probe.answers)
+    assert len(probe.inserts) == 2 * len(probe.answers)
+    assert not set(probe.distractors) & set(probe.answers)
+
+
 def test_filler_is_varied_not_a_repeated_sentence() -> None:
     import random
 
@@ -195,3 +212,19 @@ def test_lm_eval_run_on_tiny_model() -> None:
     assert set(aggregates) == set(records["task"])
     texts = slice_.divergence_texts(**slice_.metadata(cfg.eval.seed, settings.tokenizer_path, cfg.model.max_length))
     assert len(texts) == 1 and texts[0].endswith(".")
+
+
+@pytest.mark.slow
+def test_some_sub_slice_discriminates_on_smollm2() -> None:
+    """Issue 5: at least one sub-slice where the reference model scores between 20% and 80%
+    (measured at quick: 2k at 10% and 50% depth 50%; at full also 1k/90% 67%, 2k/10% 33%, 4k 50%)."""
+    from harness import evaluate, models
+    from harness.run import eval_settings, to_config, tokenizer_dir as model_tokenizer_dir
+
+    cfg = to_config(compose(["model=smollm2_135m", "slices=[long_context]", "eval.batch_size=1"]))
+    loaded = models.load(cfg.model, cfg.paths.cache_dir)
+    settings = eval_settings(cfg, model_tokenizer_dir(loaded, cfg))
+    (slice_,) = resolve(cfg.slices)
+    records, _ = evaluate.evaluate_slice(evaluate.make_lm(loaded.model, loaded.tokenizer, settings), slice_, settings)
+    accuracy = records.groupby("sub_slice")["correct"].mean()
+    assert accuracy.between(0.2, 0.8).any(), accuracy.to_dict()

@@ -128,6 +128,7 @@ class SliceConfig:
     n_items: Optional[int] = None  # overrides the size's item count
     num_fewshot: Optional[int] = None  # None: the task YAML's own setting
     limit: Optional[int] = None  # lm-eval limit per task (registry tasks)
+    filter: Optional[str] = None  # lm-eval filter scored in the records (tasks with several); None: the first
     divergence_texts: int = 16  # gold texts scored for KL / PPL
     metadata: dict[str, Any] = field(default_factory=dict)  # passed to the item generator
 

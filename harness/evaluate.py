@@ -93,6 +93,12 @@ def evaluate_slice(lm: Any, slice_: Slice, settings: EvalSettings,
     keys are hashes of the requests alone, not of the model: the prefix must be unique per
     (model, scheme, settings, slice), e.g. under the run's results directory.
     """
+    results = run_lm_eval(lm, slice_, settings, checkpoint)
+    return records_from_results(results, slice_)
+
+
+def run_lm_eval(lm: Any, slice_: Slice, settings: EvalSettings, checkpoint: str | Path | None = None) -> dict:
+    """``simple_evaluate`` on the slice's tasks with per-sample logs (see :func:`evaluate_slice`)."""
     from lm_eval import simple_evaluate
     from lm_eval.api.model import CacheHook
     from lm_eval.tasks import TaskManager
@@ -108,7 +114,7 @@ def evaluate_slice(lm: Any, slice_: Slice, settings: EvalSettings,
         random_seed=settings.seed, numpy_random_seed=settings.seed, torch_random_seed=settings.seed,
         fewshot_random_seed=settings.seed, use_cache=None if checkpoint is None else str(checkpoint))
     lm.set_cache_hook(CacheHook(None))  # a later call on this lm must not write into this checkpoint
-    return records_from_results(results, slice_)
+    return results
 
 
 def _chosen_filter(task: str, samples: list[dict], wanted: str | None) -> str | None:

@@ -228,3 +228,14 @@ def test_some_sub_slice_discriminates_on_smollm2() -> None:
     records, _ = evaluate.evaluate_slice(evaluate.make_lm(loaded.model, loaded.tokenizer, settings), slice_, settings)
     accuracy = records.groupby("sub_slice")["correct"].mean()
     assert accuracy.between(0.2, 0.8).any(), accuracy.to_dict()
+
+
+def test_quick_size_has_enough_items_per_sub_slice_for_a_verdict() -> None:
+    """Issue 12: >= 48 items at quick, and 2k sub-slices (where SmolLM2-135M misses) of >= 10 items."""
+    items = generate.items(size="quick", seed=1)
+    assert len(items) >= 48
+    per_sub_slice = {}
+    for item in items:
+        per_sub_slice[item["sub_slice"]] = per_sub_slice.get(item["sub_slice"], 0) + 1
+    assert all(per_sub_slice[f"len=2k/depth={d}%"] >= 10 for d in (10, 50, 90)), per_sub_slice
+    assert len({item["cluster"] for item in items}) == len(items) // generate.ITEMS_PER_HAYSTACK

@@ -46,7 +46,7 @@ def test_quick_keeps_the_easy_cells_full_covers_the_grid():
     assert quick == {f"steps={s}/digits={d}" for s in (1, 2) for d in (1, 2)}
     assert full == {f"steps={s}/digits={d}" for s in (1, 2, 3) for d in (1, 2, 3)}
     counts = [sum(i["sub_slice"] == cell for i in generate.items(size="quick")) for cell in sorted(quick)]
-    assert counts == [12, 12, 12, 12]  # x 2 tasks = 24 records per sub-slice
+    assert counts == [24, 24, 24, 24]
 
 
 def test_items_are_deterministic_and_reject_unknown_size():

@@ -16,7 +16,7 @@ utils = import_slice_module(STRUCTURED_DIR, "utils")
 
 
 def _item(variant: str, n: int = 14) -> dict:
-    return next(i for i in generate.items(n_items=n) if i["sub_slice"] == variant)
+    return next(i for i in generate.items(size="full", n_items=n) if i["sub_slice"] == variant)
 
 
 def test_items_are_deterministic_and_seeded():
@@ -25,12 +25,23 @@ def test_items_are_deterministic_and_seeded():
     assert generate.items(n_items=10, seed=5) == generate.items(n_items=30, seed=5)[:10]
 
 
-def test_sizes_cover_every_variant_evenly():
+def test_sizes_cover_their_variants_evenly():
     for size, count in generate.SIZES.items():
         items = generate.items(size=size)
         assert len(items) == count == len({i["id"] for i in items})
         per_variant = {v: sum(i["sub_slice"] == v for i in items) for v in generate.VARIANTS}
-        assert set(per_variant.values()) == {count // len(generate.VARIANTS)}, per_variant
+        variants = generate.SIZE_VARIANTS[size]
+        assert {per_variant[v] for v in variants} == {count // len(variants)}, per_variant
+        assert all(per_variant[v] == 0 for v in generate.VARIANTS if v not in variants)
+    assert generate.SIZE_VARIANTS["full"] == generate.VARIANTS
+    assert min(generate.SIZES["quick"] // len(generate.SIZE_VARIANTS["quick"]), 10) == 10  # >= 10 per sub-slice
+
+
+def test_variants_override_and_reject_unknown():
+    items = generate.items(size="quick", variants=["nested", "number"], n_items=4)
+    assert [i["sub_slice"] for i in items] == ["nested", "number", "nested", "number"]
+    with pytest.raises(ValueError, match=r"variants \['tables'\] are unknown"):
+        generate.items(variants=["tables"])
 
 
 def test_expected_answers_validate_against_their_schemas():
@@ -165,6 +176,6 @@ def test_end_to_end_on_tiny_random_model(tmp_path: Path, one_torch_thread: None)
     settings = EvalSettings(batch_size=3, max_length=cfg.model.max_length, chat_template=False)
     records, aggregates = evaluate_slice(make_lm(loaded.model, loaded.tokenizer, settings),
                                          resolve(cfg.slices)[0], settings)
-    assert list(records["sub_slice"]) == list(generate.VARIANTS[:3])
+    assert list(records["sub_slice"]) == list(generate.SIZE_VARIANTS["quick"][:3])
     assert (records["correct"] == 0).all()  # random weights do not write valid JSON
     assert set(aggregates) == {"harness_structured_json"}

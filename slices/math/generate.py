@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-SIZES = {"quick": 48, "full": 360}
+SIZES = {"quick": 96, "full": 360}
 GRIDS = {"quick": ((1, 2), (1, 2)), "full": ((1, 2, 3), (1, 2, 3))}  # (steps, digits) levels per size
 TEMPLATES = (
     "Compute {expr}.",

@@ -45,6 +45,7 @@ class Options:
     out: str = field(default=str(OUT), metadata={"help": "JSON file the per-slice results merge into"})
     torch_threads: int = field(default=1, metadata={"help": "torch intra-op threads for both timings"})
     repeats: int = field(default=1, metadata={"help": "pure-model replays (the median is reported)"})
+    replay: bool = field(default=True, metadata={"help": "false: accuracy only (no pure-model replay)"})
     records_dir: str = field(default="", metadata={"help": "if set, each slice's per-item records go to <dir>/<slice>.csv"})
 
 
@@ -135,7 +136,7 @@ def accuracy_table(records: pd.DataFrame) -> dict[str, Any]:
 
 
 def bench_slice(loaded: models.LoadedModel, lm: Any, slice_: Slice, settings: evaluate.EvalSettings,
-                repeats: int, records_dir: str = "") -> dict[str, Any]:
+                repeats: int, records_dir: str = "", replay: bool = True) -> dict[str, Any]:
     load_before = os.getloadavg()
     start = time.perf_counter()
     results = evaluate.run_lm_eval(lm, slice_, settings)
@@ -146,9 +147,11 @@ def bench_slice(loaded: models.LoadedModel, lm: Any, slice_: Slice, settings: ev
         records.to_csv(Path(records_dir) / f"{slice_.name}.csv", index=False)
     requests = collect_requests(results, loaded.tokenizer, settings.max_length)
     pad = loaded.tokenizer.pad_token_id
-    gen_s = statistics.median(pure_generate_s(loaded.model, requests.generate, settings.batch_size, pad)
+    if not replay:
+        repeats = 0
+    gen_s = 0.0 if not repeats else statistics.median(pure_generate_s(loaded.model, requests.generate, settings.batch_size, pad)
                               for _ in range(repeats)) if requests.generate else 0.0
-    ll_s = statistics.median(pure_loglikelihood_s(loaded.model, requests.loglikelihood, settings.batch_size, pad)
+    ll_s = 0.0 if not repeats else statistics.median(pure_loglikelihood_s(loaded.model, requests.loglikelihood, settings.batch_size, pad)
                              for _ in range(repeats)) if requests.loglikelihood else 0.0
     pure = gen_s + ll_s
     return {
@@ -182,7 +185,8 @@ def body(parsed: cli.Parsed[Options]) -> None:
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for slice_ in slices:
         entry = {"model": cfg.model.name, "size": slice_.config.size, **bench_slice(loaded, lm, slice_, settings,
-                                                                                  options.repeats, options.records_dir)}
+                                                                                  options.repeats, options.records_dir,
+                                                                                  options.replay)}
         merged[slice_.name] = entry
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(merged, indent=2) + "\n")

@@ -55,6 +55,17 @@ def outside_job_s(args: list[str], workdir: Path, cache: Path) -> tuple[float, f
     return wall, wall - sum(stages.get(stage, 0.0) for stage in STAGES)
 
 
+def stage_totals(workdirs: list[Path]) -> dict[str, float]:
+    """Seconds per pipeline stage, summed over every job whose results are under ``workdirs``."""
+    totals = dict.fromkeys(STAGES, 0.0)
+    for workdir in workdirs:
+        for summary in (workdir / "results").glob("*/summary.json"):
+            timings = json.loads(summary.read_text())["timings"]
+            for stage in STAGES:
+                totals[stage] += timings.get(stage, 0.0)
+    return totals
+
+
 def fresh_cache(root: Path, name: str, models: Path) -> Path:
     """An empty reference cache that shares the dequantized model weights (not what is measured)."""
     cache = root / name
@@ -90,6 +101,9 @@ def main() -> None:
                     for s in SCHEMES]
         shared = fresh_cache(root, "shared", models)
         sequential = [timed([*job, f"quant={s}"], root / f"shared_{s}", shared) for s in SCHEMES]
+        stages = {"sweep": stage_totals([root / "sweep3"]),
+                  "separate": stage_totals([root / f"single_{s}" for s in SCHEMES]),
+                  "sharing_cache": stage_totals([root / f"shared_{s}" for s in SCHEMES])}
     result = {
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "load_average_before": load_before, "load_average_after": os.getloadavg()},
@@ -109,6 +123,7 @@ def main() -> None:
             "three_single_runs_sharing_the_reference_cache_s": sequential,
             "sweep_over_three_separate": sweep / sum(separate),
             "sweep_over_three_sharing_cache": sweep / sum(sequential),
+            "stage_seconds_summed_over_jobs": stages,  # less sensitive to other load than wall times
         },
     }
     out = REPO / "benchmarks" / "results" / "sweep.json"
@@ -124,6 +139,8 @@ def main() -> None:
     print(f"| 3-scheme sweep, one process, reference computed once | {sweep:.1f} |")
     print(f"| 3 single runs, each computing the reference (sum) | {sum(separate):.1f} |")
     print(f"| 3 single runs sharing the reference cache (sum) | {sum(sequential):.1f} |")
+    print(f"| reference stage, summed over the sweep's 3 jobs | {stages['sweep']['reference']:.1f} |")
+    print(f"| reference stage, summed over the 3 separate runs | {stages['separate']['reference']:.1f} |")
     print(f"\nlauncher overhead {result['launcher_overhead']['overhead_outside_job_s']:+.1f} s; sweep / separate runs "
           f"{result['three_scheme_sweep']['sweep_over_three_separate']:.2f}; load average {load_before[0]:.1f}")
 

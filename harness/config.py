@@ -162,6 +162,7 @@ class SliceConfig:
     n_items: Optional[int] = None  # overrides the size's item count
     num_fewshot: Optional[int] = None  # None: the task YAML's own setting
     limit: Optional[int] = None  # lm-eval limit per task (registry tasks)
+    filter: Optional[str] = None  # lm-eval filter scored in the records (tasks with several); None: the first
     divergence_texts: int = 16  # gold texts scored for KL / PPL
     # Score KL / PPL along the reference's own replies (prompt + reference generation) instead of the
     # gold texts: the long-generation slice's view of error growing with length.

@@ -93,6 +93,12 @@ def evaluate_slice(lm: Any, slice_: Slice, settings: EvalSettings,
     keys are hashes of the requests alone, not of the model: the prefix must be unique per
     (model, scheme, settings, slice), e.g. under the run's results directory.
     """
+    results = run_lm_eval(lm, slice_, settings, checkpoint)
+    return records_from_results(results, slice_)
+
+
+def run_lm_eval(lm: Any, slice_: Slice, settings: EvalSettings, checkpoint: str | Path | None = None) -> dict:
+    """``simple_evaluate`` on the slice's tasks with per-sample logs (see :func:`evaluate_slice`)."""
     from lm_eval import simple_evaluate
     from lm_eval.api.model import CacheHook
     from lm_eval.tasks import TaskManager
@@ -108,12 +114,34 @@ def evaluate_slice(lm: Any, slice_: Slice, settings: EvalSettings,
         random_seed=settings.seed, numpy_random_seed=settings.seed, torch_random_seed=settings.seed,
         fewshot_random_seed=settings.seed, use_cache=None if checkpoint is None else str(checkpoint))
     lm.set_cache_hook(CacheHook(None))  # a later call on this lm must not write into this checkpoint
+    return results
+
+
+def _chosen_filter(task: str, samples: list[dict], wanted: str | None) -> str | None:
+    """The lm-eval filter whose scores become the records (None: the task logs no filter name).
+
+    lm-eval logs every item once per filter (gsm8k: strict-match and flexible-extract), so one
+    filter per task is kept: ``wanted`` if given (tasks with a single filter keep theirs), else the first.
+    """
+    names = list(dict.fromkeys(sample.get("filter") for sample in samples))
+    if wanted is None or len(names) <= 1:
+        return names[0] if names else None
+    if wanted not in names:
+        raise ValueError(f"task {task!r} has no lm-eval filter {wanted!r}; its filters are {names} "
+                         "(set the slice's filter to one of them, or to null for the first)")
+    return wanted
+
+
+def records_from_results(results: dict, slice_: Slice) -> tuple[pd.DataFrame, dict[str, float]]:
+    """Per-item records and per-task aggregates from ``simple_evaluate``'s output (``log_samples=True``)."""
     frames = []
     aggregates: dict[str, float] = {}
-    for task, samples in results["samples"].items():
+    for task, all_samples in results["samples"].items():
         task_cfg = results["configs"][task]
         output_type = task_cfg.get("output_type", "generate_until")
         metric_names = [m["metric"] for m in task_cfg.get("metric_list", [])] or ["acc", "exact_match"]
+        chosen = _chosen_filter(task, all_samples, slice_.config.filter)
+        samples = [sample for sample in all_samples if sample.get("filter") == chosen]
         rows = []
         for sample in samples:
             doc = sample["doc"]
@@ -131,7 +159,7 @@ def evaluate_slice(lm: Any, slice_: Slice, settings: EvalSettings,
         frames.append(pd.DataFrame(rows, columns=RECORD_COLUMNS))
         task_results = results["results"][task]
         for name in metric_names:
-            value = task_results.get(f"{name},none")
+            value = task_results.get(f"{name},{chosen or 'none'}")
             if isinstance(value, (int, float)) and not math.isnan(value):
                 aggregates[task] = float(value)
                 break

@@ -47,4 +47,6 @@ def make_cfg(tmp_path: Path, cache_dir: Path):
     return _make
 
 
-TINY_MATH = ["model=tiny_random", "slices=[math]", "slices.math.n_items=18", "slices.math.divergence_texts=4"]
+# Both math tasks (the multiple-choice one is opt-in since issue 12): the tests cover loglikelihood scoring too.
+TINY_MATH = ["model=tiny_random", "slices=[math]", "slices.math.n_items=18", "slices.math.divergence_texts=4",
+             "slices.math.tasks=[harness_math_gen,harness_math_mc]"]

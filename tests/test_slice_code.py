@@ -43,8 +43,11 @@ def test_sizes_and_sub_slices():
     assert len(quick) == sum(generate.SIZES["quick"].values())
     assert {i["sub_slice"] for i in quick} == {"humaneval/lines=1", "humaneval/lines=2-5", "humaneval/lines=6+",
                                                "synthetic/arith", "synthetic/string", "synthetic/list"}
-    full_humaneval = generate.items(size="full", source="humaneval")
-    assert len(full_humaneval) == 164 == len({i["id"] for i in full_humaneval})
+    all_humaneval = generate.items(size="full", source="humaneval", humaneval_items=500)
+    assert len(all_humaneval) == 164 == len({i["id"] for i in all_humaneval})
+    full = generate.items(size="full", synthetic_items=5)
+    assert sum(i["source"] == "humaneval" for i in full) == generate.SIZES["full"]["humaneval"]
+    assert sum(i["source"] == "synthetic" for i in full) == 5
     for item in quick:
         assert item["gold_text"] == item["prompt"] + item["canonical_solution"]
         assert item["cluster"] and item["id"]
@@ -94,7 +97,10 @@ def test_response_shapes_chat_and_plain():
     fenced_definition = "```python\ndef add(x: int, y: int):\n    return x + y\n```\nThis adds the numbers."
     assert utils.process_results(doc, [body + "```\nExplanation: it adds."]) == {"acc": 1}
     assert utils.process_results(doc, [fenced_definition]) == {"acc": 1}
+    assert utils.process_results(doc, ["Sure! Here it is:\n```python\n" + fenced_definition[10:]]) == {"acc": 1}
+    assert utils.process_results(doc, ["Here:\n```\ndef add(x, y):\n    return x + y\n```"]) == {"acc": 1}
     assert utils.process_results(doc, ["Sure! Here it is:\n" + body]) == {"acc": 0}  # prose inside the body
+    assert utils.process_results(doc, ["```python\ndef add(x, y):\n    return x - y\n```"]) == {"acc": 0}
     assert utils.redefines("def add(x, y):\n    return 0", "add")
     assert not utils.redefines("    def add(x, y):\n        return 0", "add")
 
@@ -123,7 +129,19 @@ def test_forged_sandbox_error_is_scored_wrong_not_raised():
     assert utils.process_results({**problem, "timeout_s": 5.0}, [forged]) == {"acc": 0}
 
 
-def test_end_to_end_on_tiny_random_model(tmp_path: Path):
+@pytest.fixture
+def one_torch_thread():
+    """The tiny model decodes faster on one thread, and far faster when other jobs load the cores."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("chat_template", [False, True])
+def test_end_to_end_on_tiny_random_model(tmp_path: Path, one_torch_thread: None, chat_template: bool):
     from harness.config import compose
     from harness.evaluate import EvalSettings, evaluate_slice, make_lm
     from harness import models
@@ -133,7 +151,7 @@ def test_end_to_end_on_tiny_random_model(tmp_path: Path):
     cfg = to_config(compose(["model=tiny_random", "slices=[code]", "slices.code.n_items=2",
                              f"paths.results_dir={tmp_path}/results"]))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)
-    settings = EvalSettings(batch_size=4, max_length=cfg.model.max_length, chat_template=False)
+    settings = EvalSettings(batch_size=4, max_length=cfg.model.max_length, chat_template=chat_template)
     records, aggregates = evaluate_slice(make_lm(loaded.model, loaded.tokenizer, settings),
                                          resolve(cfg.slices)[0], settings)
     assert len(records) == 4 and set(records["task"]) == {"harness_code_humaneval", "harness_code_synthetic"}

@@ -60,7 +60,7 @@ def test_items_independent_of_string_hash_seed() -> None:
 
 
 @pytest.mark.parametrize("size,max_length,buckets", [
-    ("quick", 8192, {1024, 2048}),
+    ("quick", 8192, {512, 1024}),
     ("full", 8192, {1024, 2048, 4096, 8192}),
     ("full", 4096, {1024, 2048, 4096}),
     ("full", 2048, {1024, 2048}),
@@ -72,7 +72,7 @@ def test_buckets_depths_and_task_types_all_covered(size: str, max_length: int, b
         in_bucket = [i for i in items if i["bucket"] == bucket]
         assert {i["depth"] for i in in_bucket} == {0.1, 0.5, 0.9}
         assert {i["task_type"] for i in in_bucket} == {"niah", "multikey", "vartrack"}
-    label = {1024: "1k", 2048: "2k", 4096: "4k", 8192: "8k"}
+    label = {512: "512", 1024: "1k", 2048: "2k", 4096: "4k", 8192: "8k"}
     expected = {f"len={label[b]}/depth={d}%" for b in buckets for d in (10, 50, 90)}
     assert {i["sub_slice"] for i in items} == expected
 
@@ -90,8 +90,8 @@ def test_items_of_a_haystack_share_their_filler() -> None:
 
 
 def test_window_shorter_than_every_bucket_is_refused() -> None:
-    with pytest.raises(ValueError, match="max_length=512"):
-        generate.items(size="quick", max_length=512)
+    with pytest.raises(ValueError, match="max_length=256"):
+        generate.items(size="quick", max_length=256)
     with pytest.raises(ValueError, match="size='huge'"):
         generate.items(size="huge")
 
@@ -112,7 +112,25 @@ def test_needles_sit_at_their_depth_and_answers_are_in_the_text() -> None:
         first = item["answers"][0]
         needle_at = re.search(rf"(is: {first}\.|VAR {first} = \d+\.)", context).start()
         tolerance = 0.05 if item["task_type"] == "niah" else 0.15  # other inserts shift it a little
+        tolerance += 1 / context.count(". ")  # needles go between sentences: ~5% of a 512-token haystack
         assert abs(needle_at / len(context) - item["depth"]) < tolerance, item["id"]
+
+
+def test_vartrack_chain_and_optional_decoy_chain(monkeypatch: pytest.MonkeyPatch) -> None:
+    import random
+
+    probe = generate.make_probe("vartrack", 0.5, random.Random("x"))
+    statements = [text for _, text in probe.inserts]
+    value = re.search(r"value (\d+)", probe.question).group(1)
+    first, *rest = probe.answers
+    assert statements[0] == f"VAR {first} = {value}."
+    assert statements[1:] == [f"VAR {b} = VAR {a}." for a, b in zip(probe.answers, rest)]
+    assert probe.distractors == []
+    monkeypatch.setattr(generate, "VARTRACK_DECOY_CHAINS", 1)
+    probe = generate.make_probe("vartrack", 0.5, random.Random("x"))
+    assert len(probe.distractors) == len(probe.answers)
+    assert len(probe.inserts) == 2 * len(probe.answers)
+    assert not set(probe.distractors) & set(probe.answers)
 
 
 def test_filler_is_varied_not_a_repeated_sentence() -> None:
@@ -181,7 +199,7 @@ def test_lm_eval_run_on_tiny_model() -> None:
     from harness.identity import eval_settings, to_config, tokenizer_dir as model_tokenizer_dir
 
     cfg = to_config(compose(["model=tiny_random", "model.max_length=1024", "slices=[long_context]",
-                             "slices.long_context.n_items=3", "eval.batch_size=4"]))
+                             "slices.long_context.size=full", "slices.long_context.n_items=3", "eval.batch_size=4"]))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)
     settings = eval_settings(cfg, model_tokenizer_dir(loaded))
     (slice_,) = resolve(cfg.slices)
@@ -195,3 +213,30 @@ def test_lm_eval_run_on_tiny_model() -> None:
     assert set(aggregates) == set(records["task"])
     texts = slice_.divergence_texts(**slice_.metadata(cfg.eval.seed, settings.tokenizer_path, cfg.model.max_length))
     assert len(texts) == 1 and texts[0].endswith(".")
+
+
+@pytest.mark.slow
+def test_some_sub_slice_discriminates_on_smollm2() -> None:
+    """Issue 5: at least one sub-slice where the reference model scores between 20% and 80%
+    (measured at quick: 2k at 10% and 50% depth 50%; at full also 1k/90% 67%, 2k/10% 33%, 4k 50%)."""
+    from harness import evaluate, models
+    from harness.run import eval_settings, to_config, tokenizer_dir as model_tokenizer_dir
+
+    cfg = to_config(compose(["model=smollm2_135m", "slices=[long_context]", "eval.batch_size=1"]))
+    loaded = models.load(cfg.model, cfg.paths.cache_dir)
+    settings = eval_settings(cfg, model_tokenizer_dir(loaded, cfg))
+    (slice_,) = resolve(cfg.slices)
+    records, _ = evaluate.evaluate_slice(evaluate.make_lm(loaded.model, loaded.tokenizer, settings), slice_, settings)
+    accuracy = records.groupby("sub_slice")["correct"].mean()
+    assert accuracy.between(0.2, 0.8).any(), accuracy.to_dict()
+
+
+def test_quick_size_has_enough_items_per_sub_slice_for_a_verdict() -> None:
+    """Issue 12: >= 48 items at quick, and 1k sub-slices of >= 10 items."""
+    items = generate.items(size="quick", seed=1)
+    assert len(items) >= 48
+    per_sub_slice = {}
+    for item in items:
+        per_sub_slice[item["sub_slice"]] = per_sub_slice.get(item["sub_slice"], 0) + 1
+    assert all(per_sub_slice[f"len=1k/depth={d}%"] >= 10 for d in (10, 50, 90)), per_sub_slice
+    assert len({item["cluster"] for item in items}) == len(items) // generate.ITEMS_PER_HAYSTACK

@@ -16,7 +16,7 @@ utils = import_slice_module(STRUCTURED_DIR, "utils")
 
 
 def _item(variant: str, n: int = 14) -> dict:
-    return next(i for i in generate.items(n_items=n) if i["sub_slice"] == variant)
+    return next(i for i in generate.items(size="full", n_items=n) if i["sub_slice"] == variant)
 
 
 def test_items_are_deterministic_and_seeded():
@@ -25,12 +25,23 @@ def test_items_are_deterministic_and_seeded():
     assert generate.items(n_items=10, seed=5) == generate.items(n_items=30, seed=5)[:10]
 
 
-def test_sizes_cover_every_variant_evenly():
+def test_sizes_cover_their_variants_evenly():
     for size, count in generate.SIZES.items():
         items = generate.items(size=size)
         assert len(items) == count == len({i["id"] for i in items})
         per_variant = {v: sum(i["sub_slice"] == v for i in items) for v in generate.VARIANTS}
-        assert set(per_variant.values()) == {count // len(generate.VARIANTS)}, per_variant
+        variants = generate.SIZE_VARIANTS[size]
+        assert {per_variant[v] for v in variants} == {count // len(variants)}, per_variant
+        assert all(per_variant[v] == 0 for v in generate.VARIANTS if v not in variants)
+    assert generate.SIZE_VARIANTS["full"] == generate.VARIANTS
+    assert min(generate.SIZES["quick"] // len(generate.SIZE_VARIANTS["quick"]), 10) == 10  # >= 10 per sub-slice
+
+
+def test_variants_override_and_reject_unknown():
+    items = generate.items(size="quick", variants=["nested", "number"], n_items=4)
+    assert [i["sub_slice"] for i in items] == ["nested", "number", "nested", "number"]
+    with pytest.raises(ValueError, match=r"variants \['tables'\] are unknown"):
+        generate.items(variants=["tables"])
 
 
 def test_expected_answers_validate_against_their_schemas():
@@ -46,7 +57,11 @@ def test_prompt_states_text_schema_and_constraints():
     flat = _item("flat")
     expected = json.loads(flat["expected"])
     assert expected["name"] in flat["prompt"] and str(expected["age"]) in flat["prompt"]
-    assert flat["schema"] in flat["prompt"]
+    assert 'Format: {"name": string, "age": integer, "city": string}' in flat["prompt"]
+    assert flat["schema"] not in flat["prompt"]
+    shown = next(i for i in generate.items(n_items=14, show_schema=True) if i["sub_slice"] == "flat")
+    assert shown["schema"] in shown["prompt"]
+    assert '"priority": "low" | "medium" | "high"' in _item("enum")["prompt"]
     assert "exactly this order" in _item("key_order")["prompt"]
     assert "JSON object only" in _item("json_only")["prompt"]
 
@@ -108,15 +123,18 @@ def test_key_order_items_check_top_level_order():
 def test_nested_array_enum_and_numbers():
     array = _item("array")
     expected = json.loads(array["expected"])
-    assert utils.score(array, json.dumps({"items": expected["items"][::-1]}))["acc"] == 0  # order matters
+    assert utils.score(array, json.dumps({**expected, "cities": expected["cities"][::-1]}))["acc"] == 0  # order
+    assert utils.score(array, json.dumps({**expected, "cities": ", ".join(expected["cities"])}))["schema_valid"] == 0
     enum = _item("enum")
     wrong_enum = {**json.loads(enum["expected"]), "priority": "urgent"}
     assert utils.score(enum, json.dumps(wrong_enum))["schema_valid"] == 0
     number = _item("number")
     value = json.loads(number["expected"])
-    as_strings = {k: f"{v:,}" for k, v in value.items()}
-    assert utils.score(number, json.dumps(as_strings))["acc"] == 0
-    assert utils.score(number, json.dumps({k: float(v) for k, v in value.items()}))["acc"] == 1
+    assert value["price_usd"] >= 1000  # written with a thousands separator in the text
+    assert utils.score(number, json.dumps({**value, "price_usd": f"${value['price_usd']:,.2f}"}))["acc"] == 0
+    assert utils.score(number, json.dumps({**value, "price_usd": round(value["price_usd"])}))["acc"] == (
+        value["price_usd"] == round(value["price_usd"]))
+    assert utils.score(number, json.dumps({**value, "price_usd": float(value["price_usd"])}))["acc"] == 1
     nested = _item("nested")
     flattened = {k: v for part in json.loads(nested["expected"]).values() for k, v in part.items()}
     assert utils.score(nested, json.dumps(flattened))["acc"] == 0
@@ -134,7 +152,18 @@ def test_unknown_size_names_the_choices():
         generate.items(size="huge")
 
 
-def test_end_to_end_on_tiny_random_model(tmp_path: Path):
+@pytest.fixture
+def one_torch_thread():
+    """The tiny model decodes faster on one thread, and far faster when other jobs load the cores."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def test_end_to_end_on_tiny_random_model(tmp_path: Path, one_torch_thread: None):
     from harness import models
     from harness.config import compose
     from harness.evaluate import EvalSettings, evaluate_slice, make_lm
@@ -147,6 +176,6 @@ def test_end_to_end_on_tiny_random_model(tmp_path: Path):
     settings = EvalSettings(batch_size=3, max_length=cfg.model.max_length, chat_template=False)
     records, aggregates = evaluate_slice(make_lm(loaded.model, loaded.tokenizer, settings),
                                          resolve(cfg.slices)[0], settings)
-    assert list(records["sub_slice"]) == list(generate.VARIANTS[:3])
+    assert list(records["sub_slice"]) == list(generate.SIZE_VARIANTS["quick"][:3])
     assert (records["correct"] == 0).all()  # random weights do not write valid JSON
     assert set(aggregates) == {"harness_structured_json"}

@@ -23,7 +23,7 @@ from harness.tracking import RUN_KEY_TAG, SWEEP_TAG
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["model=tiny_random", "slices=[math]", "slices.math.n_items=9", "slices.math.divergence_texts=2",
-        "compare.n_resamples=1000"]
+        "compare.n_resamples=1000", "slices.math.tasks=[harness_math_gen,harness_math_mc]"]  # both math tasks
 
 
 # ------------------------------------------------------------------ helpers (shared) ---------

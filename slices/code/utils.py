@@ -14,16 +14,32 @@ import re
 
 from harness.sandbox import SandboxResult, run_python
 
-_FENCE_OPEN = re.compile(r"^\s*```[ \t]*(?:python3?|py)?[ \t]*\n", re.IGNORECASE)
+_FENCE_LINE = re.compile(r"^[ \t]*```[ \t]*([\w+-]*)[ \t]*$", re.MULTILINE)
+_CODE_LINE_STARTS = (" ", "\t", "def ", "class ", "import ", "from ", "@", "return ")
 _TRUSTED_PROBE = "pass\n"
 
 
+def _looks_like_code(text: str) -> bool:
+    return any(line.startswith(_CODE_LINE_STARTS) for line in text.splitlines() if line.strip())
+
+
 def extract_code(response: str) -> str:
-    """The code part of a response: drop an opening Markdown fence and everything from the next fence on."""
+    """The code part of a response.
+
+    The first fence line opens a block if it names a language (```python) or only prose precedes it;
+    the block's contents (up to the next fence, or the end) are the code. Otherwise the fence closes
+    code the response began with (a body continuation), and that code is kept. No fence: all of it.
+    """
     text = response.replace("\r\n", "\n")
-    text = _FENCE_OPEN.sub("", text, count=1)
-    fence = text.find("```")
-    return text if fence < 0 else text[:fence]
+    fence = _FENCE_LINE.search(text)
+    if fence is None:
+        return text
+    before = text[: fence.start()]
+    if fence.group(1) or not _looks_like_code(before):
+        after = text[fence.end():].removeprefix("\n")
+        closing = _FENCE_LINE.search(after)
+        return after if closing is None else after[: closing.start()]
+    return before
 
 
 def redefines(code: str, entry_point: str) -> bool:

@@ -4,11 +4,11 @@ Three task types, each its own lm-eval task (``dataset_kwargs.task_type`` in the
 
 - ``niah``: one needle ("One of the special magic numbers for cobalt-heron is: 4821937.")
   hidden in a haystack; the question asks for its value.
-- ``multikey``: four needles whose keys differ only in their adjective ("cobalt-heron",
+- ``multikey``: eight needles whose keys differ only in their adjective ("cobalt-heron",
   "amber-heron", ...); the question asks for one of them, and another key's value is wrong.
 - ``vartrack``: a chain of variable assignments (``VAR ABCDE = 48213``, ``VAR FGHIJ = VAR
-  ABCDE``, ...) plus a distractor chain; the question asks for every variable that holds
-  the chain's value.
+  ABCDE``, ...), optionally with a decoy chain; the question asks for every variable that
+  holds the chain's value.
 
 Sub-slice = context-length bucket x needle depth ("len=2k/depth=50%"): the prompt is filled
 to the bucket's length minus a reserve for chat markup and the answer, measured with the
@@ -33,15 +33,20 @@ from typing import Any, Callable, NamedTuple
 log = logging.getLogger(__name__)
 
 SIZES: dict[str, dict[int, int]] = {  # items per context-length bucket (tokens)
-    "quick": {1024: 9, 2048: 3},
+    # 48 items in 16 haystacks, 10 per 1k depth. Prefill is the slice's cost: 1k/2k buckets (75k prompt
+    # tokens per model pass) took ~7 min per pass on 2 CPU cores, the 512/1k ones take 35k tokens.
+    "quick": {512: 18, 1024: 30},
     "full": {1024: 9, 2048: 9, 4096: 6, 8192: 3},
 }
 TASK_TYPES = ("niah", "multikey", "vartrack")
 DEPTHS = (0.1, 0.5, 0.9)
 ITEMS_PER_HAYSTACK = 3  # consecutive items of a bucket share one haystack document (one cluster)
 RESERVE_TOKENS = 96  # left free in each bucket for chat markup and the generated answer
-MULTIKEY_NEEDLES = 4
+MULTIKEY_NEEDLES = 8  # confusable keys; SmolLM2-135M: 3/3 right at 1k, 1/3 at 2k (4 needles: 6/9 over 1k-8k)
 VARTRACK_HOPS = 2  # assignments after the first: VAR A = value, VAR B = VAR A, VAR C = VAR B
+# 0 or 1 chain of other variables holding another value. RULER's default is none; with one,
+# SmolLM2-135M named the decoy chain instead (0/6 at 1k tokens, against 1-2/6 without).
+VARTRACK_DECOY_CHAINS = 0
 TOKENS_PER_WORD = 1.2  # estimate of tokens per word when no tokenizer is given (SmolLM2 on this filler: 1.17-1.25)
 
 NEEDLE_INSTRUCTION = ("Some special magic numbers are hidden within the following text. Make sure to memorize "
@@ -51,8 +56,9 @@ NEEDLE_QUESTION = "What is the special magic number for {key} mentioned in the p
 NEEDLE_PREFIX = "The special magic number for {key} mentioned in the provided text is"
 VARTRACK_INSTRUCTION = "Memorize and track the chain(s) of variable assignment hidden in the following text."
 VARTRACK_QUESTION = "Question: Find all variables that are assigned the value {value} in the text above."
+# Ends with "VAR" so that the answer starts with a variable name rather than a new line.
 VARTRACK_PREFIX = ("Answer: According to the chain(s) of variable assignment in the text above, {count} variables "
-                   "are assigned the value {value}, they are:")
+                   "are assigned the value {value}, they are: VAR")
 
 
 def _sibling(name: str):
@@ -169,15 +175,18 @@ def make_probe(task_type: str, depth: float, rng: random.Random) -> Probe:
         value, decoy = (str(v) for v in rng.sample(range(10_000, 100_000), 2))
         chain = [_variable(rng, taken) for _ in range(VARTRACK_HOPS + 1)]
         decoys = [_variable(rng, taken) for _ in range(VARTRACK_HOPS + 1)]
+        decoy_start = rng.uniform(0.02, 0.5)
         span = (1.0 - depth) * 0.9
+        chains = [(chain, depth, value)] + [(decoys, decoy_start, decoy)] * VARTRACK_DECOY_CHAINS
         inserts = []
-        for names, start, val in ((chain, depth, value), (decoys, rng.uniform(0.02, 0.5), decoy)):
+        for names, start, val in chains:
             for hop, name in enumerate(names):
                 statement = f"VAR {name} = {val}." if hop == 0 else f"VAR {name} = VAR {names[hop - 1]}."
                 position = start + (span if names is chain else 0.45) * hop / len(names)
                 inserts.append((position, statement))
         return Probe(VARTRACK_INSTRUCTION, inserts, VARTRACK_QUESTION.format(value=value),
-                     VARTRACK_PREFIX.format(count=len(chain), value=value), chain, decoys)
+                     VARTRACK_PREFIX.format(count=len(chain), value=value), chain,
+                     decoys if VARTRACK_DECOY_CHAINS else [])
     raise ValueError(f"unknown long_context task_type {task_type!r}; one of {TASK_TYPES}")
 
 
@@ -208,7 +217,7 @@ def fill(probe: Probe, pool: list[str], budget: int, count: Callable[[str], int]
     raise ValueError(f"budget of {budget} tokens leaves no room for filler; raise the bucket size")
 
 
-def _haystack_pool(seed: int, bucket: int, doc: int) -> list[str]:
+def _haystack_pool(seed: int, bucket: int, doc: str) -> list[str]:
     rng = random.Random(f"long_context/{seed}/haystack/{bucket}/{doc}")
     return filler.sentences(rng, max(40, bucket // 10))  # filler sentences run ~20 tokens: ~2x headroom
 

@@ -1,7 +1,10 @@
 """Math slice: multi-step integer arithmetic with exact answers, generated from a seed.
 
-Difficulty is two sub-slice axes: the number of operations (steps=1..3) and operand size
-(digits=1..3). Items that share a template are clustered by (steps, digits, template) for
+Difficulty is two sub-slice axes: the number of operations (steps) and operand size
+(digits). The full size covers steps=1..3 x digits=1..3; the quick size keeps the easy corner
+(steps + digits <= 3: 1/1, 1/2, 2/1), where SmolLM2-135M (the default model) is right often
+enough for a drop to show: measured 0.62 on steps=1/digits=1, 0.08 on 1/2, 0.04 on 2/1, 0.00 on
+2/2 (24 items each); the 3-step and 3-digit cells are a floor for it. Items that share a template are clustered by (steps, digits, template) for
 the cluster bootstrap. The same seed gives the same items on every machine (Python's
 ``random.Random`` with a string seed is stable across platforms and versions).
 """
@@ -10,7 +13,9 @@ from __future__ import annotations
 import random
 from typing import Any
 
-SIZES = {"quick": 48, "full": 360}
+SIZES = {"quick": 96, "full": 360}
+# (steps, digits) cells per size: full is the whole 3 x 3 grid, quick its easy corner (steps + digits <= 3).
+GRIDS = {"quick": ((1, 1), (1, 2), (2, 1)), "full": tuple((s, d) for s in (1, 2, 3) for d in (1, 2, 3))}
 TEMPLATES = (
     "Compute {expr}.",
     "What is {expr}?",
@@ -46,9 +51,11 @@ def _choices(rng: random.Random, answer: int) -> tuple[list[str], int]:
 
 def items(size: str = "quick", seed: int = 1234, n_items: int | None = None, **_: Any) -> list[dict]:
     """The slice's items; every item carries id, sub_slice, cluster and gold_text."""
+    if size not in SIZES:
+        raise ValueError(f"math slice: size={size!r} is unknown; use one of {sorted(SIZES)}")
     total = n_items or SIZES[size]
     rng = random.Random(f"math/{seed}")
-    grid = [(steps, digits) for steps in (1, 2, 3) for digits in (1, 2, 3)]
+    grid = GRIDS[size]
     out: list[dict] = []
     for index in range(total):
         steps, digits = grid[index % len(grid)]

@@ -3,9 +3,12 @@
 Every item is a *concept* (e.g. "the day after Tuesday, shown as the list Sunday, Monday,
 Tuesday") asked in each language, with English as the control: a language's gap to English
 on the same concepts is what quantization may widen. The text of each item comes from the
-Unicode CLDR data shipped with ``babel`` (day and month names, country names, list
-separators), so the prompts carry no translated instructions: each is a list or a table to
-continue, which a base model completes and an instruct model recognises.
+Unicode CLDR data shipped with ``babel`` (day and month names, country and language names,
+list separators), so the prompts need no translated instructions: each is a list or a table
+to continue, after one fixed English line ("Continue the list with the next item."). The
+task YAMLs put that line in the user turn and the list itself at the start of the answer
+(``gen_prefix``), so a base model completes the list and an instruct model continues it in
+its own turn.
 
 Kinds (``kind`` field; the item id names it):
 
@@ -33,7 +36,7 @@ LANGUAGES = {  # language -> ISO 15924 script of its CLDR names
     "en": "Latn", "de": "Latn", "fr": "Latn", "es": "Latn", "ru": "Cyrl", "el": "Grek",
     "ar": "Arab", "hi": "Deva", "zh": "Hans", "ja": "Jpan", "ko": "Kore",
 }
-CONTROL = "en"
+CONTROL = "en"  # the control language: every concept is asked in it too
 MC_KINDS = ("day_next", "month_next", "country", "language")
 GEN_KINDS = ("day_gen", "month_gen")
 KINDS = MC_KINDS + GEN_KINDS
@@ -50,6 +53,9 @@ LANGUAGE_CODES = (
     "he", "fi", "da", "cs", "hu", "th", "vi", "id", "fa", "uk", "ro", "sw",
 )
 TABLES = {"country": COUNTRIES, "language": LANGUAGE_CODES}  # kinds shown as "code: name" rows
+# One English line before every item, the same in every language. Without it an instruct
+# model answers a bare list with an apology (SmolLM2: 0% on the generation items).
+INSTRUCTIONS = {"list": "Continue the list with the next item.\n", "table": "Complete the last line of the table.\n"}
 # CLDR's Arabic list pattern joins with the conjunction "و"; a list of names needs the comma.
 SEPARATOR_OVERRIDES = {"ar": "، "}
 
@@ -120,6 +126,7 @@ def render(kind: str, concept: dict[str, Any], language: str) -> dict[str, Any]:
         lead = sep[len(sep.rstrip()):]
     answer = names[concept["target"]]
     return {
+        "instruction": INSTRUCTIONS["table" if kind in TABLES else "list"],
         "context": context,
         "choices": [lead + names[option] for option in concept["options"]],
         "label": concept["options"].index(concept["target"]),

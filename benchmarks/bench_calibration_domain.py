@@ -8,8 +8,9 @@ source, and every job's results land in ``results_dir``), then prints and writes
   (right->wrong / wrong->right) and their McNemar p, mean KL(ref||quant) per token with its SE,
   and top-1 agreement;
 - per scheme and slice, head to head on the same items: each non-baseline source against the
-  baseline source (``prose``): accuracy difference with its paired-bootstrap CI, the items
-  where the two disagree, and the difference of mean KL.
+  baseline source (``prose``): accuracy difference with its paired (cluster) bootstrap CI, the
+  items only one of the two gets right with McNemar's p, and the difference of mean per-token
+  KL on the same gold-text tokens with a bootstrap CI over texts.
 
 The full sweep of the README is the default::
 
@@ -99,6 +100,31 @@ def head_to_head(base: pd.DataFrame, other: pd.DataFrame, slice_name: str, n_res
             "mcnemar_p": result.mcnemar_p}
 
 
+def kl_difference(base: pd.DataFrame, other: pd.DataFrame, slice_name: str, n_resamples: int = 2000,
+                  seed: int = 0) -> dict[str, float]:
+    """Mean per-token KL(ref||quant) of ``other`` minus ``base`` on the same tokens, with a 95% CI.
+
+    The CI resamples whole gold texts (tokens of one text are not independent), paired: each
+    resampled text contributes both runs' KL on its tokens.
+    """
+    import numpy as np
+
+    keys = ["slice", "text", "position"]
+    merged = base[base["slice"] == slice_name][keys + ["kl"]].merge(
+        other[other["slice"] == slice_name][keys + ["kl"]], on=keys, suffixes=("_base", "_other"))
+    if merged.empty:
+        return {"kl_diff": float("nan"), "kl_ci_low": float("nan"), "kl_ci_high": float("nan")}
+    merged["diff"] = merged["kl_other"] - merged["kl_base"]
+    per_text = merged.groupby("text")["diff"].agg(["sum", "count"])
+    sums, counts = per_text["sum"].to_numpy(), per_text["count"].to_numpy()
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(sums), size=(n_resamples, len(sums)))
+    means = sums[picks].sum(axis=1) / counts[picks].sum(axis=1)
+    low, high = np.quantile(means, [0.025, 0.975])
+    return {"kl_diff": float(sums.sum() / counts.sum()), "kl_ci_low": float(low), "kl_ci_high": float(high),
+            "kl_texts": int(len(sums)), "kl_tokens": int(counts.sum())}
+
+
 def _format(rows: list[dict[str, Any]], columns: list[str]) -> str:
     def cell(value: Any) -> str:
         return f"{value:.3f}" if isinstance(value, float) else str(value)
@@ -134,16 +160,19 @@ def _body(parsed: cli.Parsed[Options]) -> int:
                           **against_reference(info["summary"], slice_name), "wall_s": info["wall_s"]})
     baseline = options.sources[0]
     for scheme in options.schemes:
-        base_items = pd.read_parquet(runs[(scheme, baseline)]["dir"] / "items.parquet")
+        base_dir = runs[(scheme, baseline)]["dir"]
+        base_items, base_tokens = (pd.read_parquet(base_dir / f) for f in ("items.parquet", "tokens.parquet"))
         for source in options.sources[1:]:
-            items = pd.read_parquet(runs[(scheme, source)]["dir"] / "items.parquet")
+            other_dir = runs[(scheme, source)]["dir"]
+            items, tokens = (pd.read_parquet(other_dir / f) for f in ("items.parquet", "tokens.parquet"))
             for slice_name in options.slices:
                 pairs.append({"scheme": scheme, "source": source, "vs": baseline, "slice": slice_name,
-                              **head_to_head(base_items, items, slice_name)})
+                              **head_to_head(base_items, items, slice_name),
+                              **kl_difference(base_tokens, tokens, slice_name)})
     print(_format(table, ["scheme", "source", "slice", *COLUMNS, "wall_s"]))
     print()
     print(_format(pairs, ["scheme", "source", "vs", "slice", "n", "acc_diff", "ci_low", "ci_high",
-                          "other_only_right", "base_only_right", "mcnemar_p"]))
+                          "other_only_right", "base_only_right", "mcnemar_p", "kl_diff", "kl_ci_low", "kl_ci_high"]))
     Path(options.out).parent.mkdir(parents=True, exist_ok=True)
     Path(options.out).write_text(json.dumps({
         "options": options.__dict__, "jobs": {f"{s}@{c}": {"overrides": job_overrides(options, s, c),

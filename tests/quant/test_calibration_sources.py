@@ -171,3 +171,27 @@ def test_the_documented_calibration_domain_sweep_plans(tmp_path, cache_dir):
     assert {s.slice for job in plan.jobs for s in job.slices} == {"code", "math", "multilingual"}
     keys = {calibrated_key("m", plan_mod._job_config(job.overrides).quant, "h") for job in plan.jobs}
     assert len(keys) == 4
+
+
+def test_bench_head_to_head_counts_and_kl_difference_on_a_hand_made_pair():
+    import importlib.util
+    from pathlib import Path
+
+    import pandas as pd
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_calibration_domain.py"
+    spec = importlib.util.spec_from_file_location("bench_calibration_domain", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # dataclasses look their module up
+    spec.loader.exec_module(bench)
+    ids = [f"i{k}" for k in range(6)]
+    base = pd.DataFrame({"item_id": ids, "cluster": ids, "slice": "code", "correct_quant": [1, 1, 0, 0, 1, 0]})
+    other = base.assign(correct_quant=[1, 0, 1, 1, 1, 0])  # one item lost, two gained
+    pair = bench.head_to_head(base, other, "code", n_resamples=200)
+    assert (pair["n"], pair["other_only_right"], pair["base_only_right"]) == (6, 2, 1)
+    assert pair["acc_diff"] == pytest.approx(1 / 6)
+    # Text 0: 3 tokens, KL 1 -> 0.5; text 1: 1 token, KL 2 -> 2. Token-weighted mean diff = -1.5 / 4.
+    tokens = pd.DataFrame({"slice": "code", "text": [0, 0, 0, 1], "position": [1, 2, 3, 1], "kl": [1.0, 1, 1, 2]})
+    kl = bench.kl_difference(tokens, tokens.assign(kl=[0.5, 0.5, 0.5, 2]), "code", n_resamples=500)
+    assert kl["kl_diff"] == pytest.approx(-0.375) and kl["kl_tokens"] == 4
+    assert kl["kl_ci_low"] == pytest.approx(-0.5) and kl["kl_ci_high"] == pytest.approx(0.0)  # all-one-text resamples

@@ -124,7 +124,10 @@ class SmoothQuantConfig:
 
 @dataclass
 class CalibrationConfig:
-    source: str = "offline"  # offline (text shipped by installed packages) | dataset
+    # The calibration text's domain: prose (= offline, the default: stdlib docstrings) | code | multilingual | math
+    # (offline, built from installed packages; harness.calibration_sources) | dataset (below). The default's value
+    # stays "offline" so run keys of existing results are unchanged.
+    source: str = "offline"
     dataset: Optional[str] = None  # datasets name, e.g. wikitext (cluster runs)
     dataset_config: Optional[str] = None
     split: str = "train"

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from harness.config import QuantConfig
+from harness.quant.calibration import validate_calibration
 from harness.quant.kv import validate_kv_cache
 from harness.quant.tensor import SchemeError, input_multiple, storage_bits, validate_spec
 
@@ -255,6 +256,7 @@ def validate_scheme(scheme: QuantConfig) -> None:
     if scheme.settings and spec.settings is None:
         raise SchemeError(f"quant.settings={dict(scheme.settings)}: method {spec.name} takes no settings")
     method_settings(scheme)
+    validate_calibration(scheme.calibration)
     if spec.validate is not None:
         spec.validate(scheme)
     if scheme.weights is not None:

@@ -5,8 +5,9 @@ An entry holds every parameter a calibrated method changed (quantized target wei
 for AWQ the norms and linears that absorbed its scales) as safetensors, plus the method's
 per-layer report. It is keyed by the model's identity, the parts of the scheme that shape
 the weights (method, weight spec, targets, method settings; *not* the name, activation or
-KV-cache settings, so ``gptq_w4g128_kv8`` reuses ``gptq_w4g128``'s entry) and the content
-hash of the calibration tokens. The first job computes under the entry's file lock;
+KV-cache settings, so ``gptq_w4g128_kv8`` reuses ``gptq_w4g128``'s entry), the calibration
+source when it is not the default (name and text digest) and the content hash of the
+calibration tokens. The first job computes under the entry's file lock;
 concurrent jobs wait on it and then load.
 """
 from __future__ import annotations
@@ -45,9 +46,14 @@ def _plain(value: Any) -> Any:
 
 
 def scheme_identity(scheme: QuantConfig) -> dict[str, Any]:
-    """The parts of a scheme that determine the calibrated weights."""
+    """The parts of a scheme that determine the calibrated weights.
+
+    A calibration source other than the default adds its name and text digest
+    (``calibration.source_identity``); the default adds nothing, so its keys are unchanged.
+    """
+    from harness.quant.calibration import source_identity
     spec = get_method(scheme.method)
-    return {
+    identity = {
         "method": scheme.method,
         "weights": _plain(scheme.weights),
         "targets": list(scheme.targets),
@@ -55,6 +61,10 @@ def scheme_identity(scheme: QuantConfig) -> dict[str, Any]:
         "settings": _plain(method_settings(scheme)) if spec.cacheable else None,
         "version": ALGORITHM_VERSION,
     }
+    source = source_identity(scheme.calibration)
+    if source is not None:
+        identity["calibration_source"] = source
+    return identity
 
 
 def calibrated_key(model_key: str, scheme: QuantConfig, calibration_hash: str) -> str:

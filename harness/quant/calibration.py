@@ -1,15 +1,15 @@
 """Calibration data for methods that need activations (GPTQ, AWQ, SmoothQuant, static scales).
 
-Two sources: a ``datasets`` dataset (name, config, split, text field) for cluster runs,
-and an offline default that works without any hub: English prose and code shipped by
-installed packages (the docstrings of Python's standard library modules, in a fixed
-order). Evaluation items are never used. The token ids of the calibration set are hashed;
-the hash is logged and is part of every calibrated cache key.
+``quant.calibration.source`` chooses the text: an offline source of a given domain (``prose``,
+the default, also called ``offline``; ``code``; ``multilingual``; ``math`` — built from what the
+installed packages ship, see :mod:`harness.calibration_sources`) or ``dataset``, a ``datasets``
+dataset (name, config, split, text field) for cluster runs. Evaluation items are never used.
+Seeded windows of ``seq_len`` tokens are drawn from the text; the token ids are hashed, and the
+hash is logged and is part of every calibrated cache key (with the source and a digest of its
+text for every source but the default: see :func:`source_identity`).
 """
 from __future__ import annotations
 
-import importlib
-import inspect
 import logging
 import random
 from dataclasses import dataclass, field
@@ -18,36 +18,59 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from harness import calibration_sources
 from harness.cache import Cache, stable_hash
 from harness.config import CalibrationConfig, QuantConfig
+from harness.quant.tensor import SchemeError
 
 log = logging.getLogger(__name__)
 
-# Standard-library modules with long, well-written docstrings; fixed so every machine agrees.
-_OFFLINE_MODULES = (
-    "argparse", "asyncio.events", "collections", "concurrent.futures", "contextlib", "csv", "dataclasses",
-    "datetime", "decimal", "difflib", "email.message", "fractions", "functools", "heapq", "http.client",
-    "http.server", "inspect", "ipaddress", "itertools", "json", "logging", "multiprocessing.pool", "pathlib",
-    "pickle", "random", "re", "shutil", "socket", "statistics", "string", "subprocess", "tarfile", "tempfile",
-    "textwrap", "threading", "tokenize", "typing", "unittest.case", "urllib.parse", "uuid", "zipfile",
-)
+DATASET = "dataset"
 
 
-def offline_corpus() -> str:
-    """Deterministic text from the installed standard library's docstrings."""
-    parts: list[str] = []
-    for name in _OFFLINE_MODULES:
+def available_sources() -> list[str]:
+    """Every value quant.calibration.source accepts."""
+    return calibration_sources.names() + [DATASET]
+
+
+def validate_calibration(config: CalibrationConfig) -> None:
+    """Config-time checks: a known source, a dataset name for ``dataset``, positive sizes."""
+    if config.source != DATASET:
         try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        docs = [inspect.getdoc(module) or ""]
-        for attr in sorted(vars(module)):
-            obj = getattr(module, attr)
-            if getattr(obj, "__module__", None) == module.__name__ and (inspect.isclass(obj) or inspect.isfunction(obj)):
-                docs.append(inspect.getdoc(obj) or "")
-        parts.append("\n\n".join(d for d in docs if len(d) > 80))
-    return "\n\n".join(parts)
+            calibration_sources.canonical(config.source)
+        except KeyError:
+            kinds = "; ".join(f"{s.name}: {s.kind}" for s in calibration_sources.SOURCES.values())
+            raise SchemeError(f"quant.calibration.source={config.source!r} is unknown; use one of "
+                              f"{available_sources()} ({kinds}; offline = prose; dataset: quant.calibration.dataset "
+                              "from the datasets hub)") from None
+    elif not config.dataset:
+        raise SchemeError("quant.calibration.source=dataset needs quant.calibration.dataset (a datasets name, e.g. "
+                          "wikitext, with quant.calibration.dataset_config); or use an offline source")
+    for name in ("num_samples", "seq_len"):
+        if getattr(config, name) < 1:
+            raise SchemeError(f"quant.calibration.{name}={getattr(config, name)} must be at least 1")
+
+
+def source_identity(config: CalibrationConfig) -> dict[str, Any] | None:
+    """What the calibrated-weight cache key records about the source: None for the default.
+
+    The default (``prose``/``offline``) adds nothing, so its keys are those from before sources
+    existed; any other source adds its name and a digest of its text (an offline source) or the
+    dataset's coordinates, so a code-calibrated and a prose-calibrated GPTQ never share an entry
+    even if their token hashes were equal.
+    """
+    if config.source == DATASET:
+        return {"source": DATASET, "dataset": config.dataset, "dataset_config": config.dataset_config,
+                "split": config.split, "text_field": config.text_field}
+    if calibration_sources.is_default(config.source):
+        return None
+    name = calibration_sources.canonical(config.source)
+    return {"source": name, "digest": calibration_sources.source_digest(name)}
+
+
+def offline_corpus(source: str = calibration_sources.DEFAULT) -> str:
+    """The text of an offline source (default: the prose docstrings, as before sources existed)."""
+    return calibration_sources.source_text(source)
 
 
 def dataset_corpus(config: CalibrationConfig) -> str:
@@ -59,11 +82,13 @@ def dataset_corpus(config: CalibrationConfig) -> str:
 
 def calibration_tokens(tokenizer: Any, config: CalibrationConfig) -> Tensor:
     """[num_samples, seq_len] token windows sampled (seeded) from the corpus."""
-    text = offline_corpus() if config.source == "offline" else dataset_corpus(config)
+    validate_calibration(config)
+    text = dataset_corpus(config) if config.source == DATASET else offline_corpus(config.source)
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
     needed = config.seq_len
     if len(ids) <= needed:
-        raise ValueError(f"calibration corpus has {len(ids)} tokens, fewer than calibration.seq_len={needed}")
+        raise SchemeError(f"calibration source {config.source!r} has {len(ids)} tokens, fewer than "
+                          f"quant.calibration.seq_len={needed}; lower seq_len or use a larger source")
     rng = random.Random(f"calibration/{config.seed}")
     starts = [rng.randrange(0, len(ids) - needed) for _ in range(config.num_samples)]
     return torch.stack([ids[s:s + needed] for s in starts])
@@ -85,7 +110,8 @@ class CalibrationContext:
     def tokens(self) -> Tensor:
         if self._tokens is None:
             self._tokens = calibration_tokens(self.tokenizer, self.config)
-            log.info("calibration set: %d x %d tokens, hash %s", *self._tokens.shape, self.calibration_hash)
+            log.info("calibration set (%s): %d x %d tokens, hash %s", self.config.source, *self._tokens.shape,
+                     self.calibration_hash)
         return self._tokens
 
     @property

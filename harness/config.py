@@ -184,6 +184,9 @@ class EvalConfig:
     # (top-k + tail: a lower bound of KL, ~6% low at k=256 on SmolLM2; see benchmarks/).
     reference_store: str = "hidden"
     reference_topk: int = 256  # k for reference_store=topk
+    # hf: both sides through lm-eval's HFLM on the loaded model | vllm: through lm-eval's vLLM backend on the
+    # checkpoints (model.path and candidate.path; quant=external), the same engine a deployment serves with
+    backend: str = "hf"
     position_buckets: list[int] = field(default_factory=lambda: [0, 128, 512, 1024, 2048, 4096, 8192])
 
 

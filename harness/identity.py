@@ -39,7 +39,25 @@ def eval_settings(cfg: RunConfig, tokenizer_path: str | None) -> evaluate.EvalSe
     """The lm-eval settings of a job (batch size falls back to the model's)."""
     return evaluate.EvalSettings(batch_size=cfg.eval.batch_size or cfg.model.batch_size, max_length=cfg.model.max_length,
                                  device=cfg.model.device, chat_template=cfg.model.chat_template, seed=cfg.eval.seed,
-                                 tokenizer_path=tokenizer_path)
+                                 tokenizer_path=tokenizer_path, backend=cfg.eval.backend)
+
+
+def check_backend(cfg: RunConfig) -> None:
+    """eval.backend=vllm serves checkpoints: the reference's and an external candidate's (before any work)."""
+    from harness.cli import UsageError
+
+    if cfg.eval.backend not in evaluate.BACKENDS:
+        raise UsageError(f"eval.backend={cfg.eval.backend!r}: use one of {list(evaluate.BACKENDS)}")
+    if cfg.eval.backend != "vllm":
+        return
+    evaluate.check_vllm()
+    if cfg.model.source != "hf":
+        raise UsageError(f"eval.backend=vllm loads the reference from model.path; model.source={cfg.model.source!r} "
+                         "has no checkpoint vLLM can load (use a hub id or a local directory)")
+    if not cfg.candidate.path:
+        raise UsageError("eval.backend=vllm serves checkpoints, and the harness's own quantization is simulated: "
+                         "export it first (python -m harness.export model=... quant=... out=DIR), then evaluate "
+                         "quant=external candidate.path=DIR")
 
 
 def tokenizer_dir(loaded: models.LoadedModel) -> str | None:
@@ -62,7 +80,7 @@ def reference_key(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig) -> 
     """Cache key of one slice's reference: the model, the slice's content and the settings that change it."""
     settings = {"chat_template": cfg.model.chat_template, "max_length": cfg.model.max_length, "seed": cfg.eval.seed,
                 "divergence_max_tokens": cfg.eval.divergence_max_tokens, "store": cfg.eval.reference_store,
-                "topk": cfg.eval.reference_topk,
+                "topk": cfg.eval.reference_topk, **({"backend": cfg.eval.backend} if cfg.eval.backend != "hf" else {}),
                 "lm_eval": _version("lm_eval"), "transformers": _version("transformers"), "device": cfg.model.device}
     return stable_hash({"model": loaded.identity, "slice": slice_identity(slice_), "settings": settings}, 24)
 

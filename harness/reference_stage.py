@@ -48,7 +48,7 @@ def compute_reference(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig,
                                   pd.read_json(entry / "aggregates.json", typ="series").to_dict(), texts, True)
         log.info("reference for slice %s: computing (cache miss %s)", slice_.name, key)
         settings = eval_settings(cfg, tokenizer_dir(loaded))
-        lm = evaluate.make_lm(loaded.model, loaded.tokenizer, settings)
+        lm = evaluate.make_lm(loaded.model, loaded.tokenizer, settings, checkpoint=cfg.model.path or None)
         checkpoint = entry.with_name(f"{key}.checkpoint")  # per-request results of an interrupted attempt
         restored = evaluate.checkpoint_rows(checkpoint)
         records, aggregates = evaluate.evaluate_slice(lm, slice_, settings, checkpoint=checkpoint)

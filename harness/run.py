@@ -29,7 +29,7 @@ from harness import (candidate, cli, devices, divergence, evaluate, gate, ledger
                      report, summary, sweep, tracking)
 from harness.cache import Cache, atomic_write_json, atomic_write_text
 from harness.config import RunConfig
-from harness.identity import config_dict, eval_settings, run_key, run_name, to_config, tokenizer_dir
+from harness.identity import check_backend, config_dict, eval_settings, run_key, run_name, to_config, tokenizer_dir
 from harness.reference_stage import SliceReference, compute_reference
 from harness.runtime import apply_threads
 from harness.slices import Slice, check_hub_for_registry, resolve
@@ -161,6 +161,7 @@ def preflight(cfg: RunConfig) -> Preflight:
     slices = resolve(cfg.slices)
     check_hub_for_registry(slices)
     quant.validate_scheme(cfg.quant)
+    check_backend(cfg)
     models.check_available(cfg.model)
     uri = tracking.resolve_uri(cfg.tracking.uri)
     problem = tracking.check_tracking(uri) if cfg.tracking.enabled else None
@@ -189,7 +190,7 @@ def evaluate_quantized(loaded: models.LoadedModel, slices: list[Slice], cfg: Run
                        checkpoint: Path) -> Evaluated:
     """The quantized model through lm-eval, slice by slice, resuming from ``checkpoint``."""
     settings = eval_settings(cfg, tokenizer_dir(loaded))
-    lm = evaluate.make_lm(loaded.model, loaded.tokenizer, settings)
+    lm = evaluate.make_lm(loaded.model, loaded.tokenizer, settings, checkpoint=cfg.candidate.path)
     records, aggregates, restored, requests = [], {}, {}, {}
     for slice_ in slices:
         restored[slice_.name] = evaluate.checkpoint_rows(checkpoint / slice_.name)

@@ -1,0 +1,53 @@
+"""eval.backend=vllm: the code path through lm-eval's vLLM backend, and its clear errors where vLLM is absent.
+
+vLLM runs on CUDA GPUs only; here the path is exercised up to lm-eval's VLLM constructor (replaced by a
+recorder), and the checks that refuse a run before any work are tested for real."""
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from harness import cli, evaluate, models, run as run_mod
+from tests.conftest import TINY_MATH
+
+
+def test_without_vllm_the_run_fails_before_loading_anything(make_cfg, monkeypatch):
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here")
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("the model must not load"))
+    with pytest.raises(cli.UsageError, match="eval.backend=vllm needs the vllm package.*or use eval.backend=hf"):
+        run_mod.run(make_cfg(*TINY_MATH, "quant=int8", "eval.backend=vllm"))
+
+
+def test_vllm_serves_checkpoints_only(make_cfg, monkeypatch):
+    monkeypatch.setattr(evaluate, "check_vllm", lambda: None)  # as if vllm were installed
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("the model must not load"))
+    with pytest.raises(cli.UsageError, match="no checkpoint vLLM can load"):
+        run_mod.run(make_cfg(*TINY_MATH, "quant=int8", "eval.backend=vllm"))
+    with pytest.raises(cli.UsageError, match="export it first"):
+        run_mod.run(make_cfg("model=llama8b", "slices=[math]", "quant=int8", "eval.backend=vllm"))
+    with pytest.raises(cli.UsageError, match="eval.backend='tgi'"):
+        run_mod.run(make_cfg(*TINY_MATH, "eval.backend=tgi"))
+
+
+def test_make_lm_hands_the_checkpoint_to_lm_evals_vllm_backend(monkeypatch):
+    made = {}
+
+    class RecordingVLLM:
+        def __init__(self, **kwargs):
+            made.update(kwargs)
+
+    fake = types.ModuleType("lm_eval.models.vllm_causallms")
+    fake.VLLM = RecordingVLLM
+    monkeypatch.setitem(sys.modules, "lm_eval.models.vllm_causallms", fake)
+    monkeypatch.setattr(evaluate, "check_vllm", lambda: None)
+    settings = evaluate.EvalSettings(backend="vllm", max_length=4096, seed=7)
+    lm = evaluate.make_lm(None, None, settings, checkpoint="exports/smollm2-gptq")
+    assert isinstance(lm, RecordingVLLM)
+    assert made["pretrained"] == "exports/smollm2-gptq" and made["max_length"] == 4096 and made["seed"] == 7
+    with pytest.raises(ValueError, match="has none"):
+        evaluate.make_lm(None, None, settings, checkpoint=None)

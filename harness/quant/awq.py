@@ -89,16 +89,20 @@ class ScaleSearch:
 
 @torch.no_grad()
 def search_scales(linears: list[nn.Linear], quantize: list[bool], inspect: Callable[[], list[Tensor]],
-                  x_mean: Tensor, spec: TensorQuantConfig, *, grid: int, duo_scaling: bool) -> ScaleSearch:
+                  x_mean: Tensor, spec: TensorQuantConfig, *, grid: int, duo_scaling: bool,
+                  reference: list[Tensor] | None = None) -> ScaleSearch:
     """Grid search of α: the scales whose ``Q(W·s)/s`` weights best reproduce ``inspect()``'s outputs.
 
     ``inspect`` runs the inspected module on the search inputs with the linears' current
-    weights. The linears' weights are restored before returning.
+    weights; ``reference`` is its output with the original weights when the caller already
+    has it (recorded during the statistics pass), else ``inspect()`` computes it. The linears'
+    weights are restored before returning.
     """
     if grid < 1:
         raise SchemeError(f"quant.awq.grid={grid} must be at least 1")
     originals = [linear.weight.data for linear in linears]
-    reference = inspect()
+    if not reference:
+        reference = inspect()
     total = sum(r.numel() for r in reference)
     w_mean = weight_mean(originals, spec) if duo_scaling else None
     best: tuple[float, Tensor, float] | None = None
@@ -189,6 +193,7 @@ class _GroupCapture:
     count: int = 0
     inputs: list[Tensor] = field(default_factory=list)
     calls: list[tuple[tuple, dict]] = field(default_factory=list)
+    outputs: list[Tensor] = field(default_factory=list)  # the inspected module's output of each call
 
 
 @dataclass
@@ -221,9 +226,16 @@ def _record(block: nn.Module, groups: list[LinearGroup], foldable: set[str],
             if searching[0]:
                 capture.calls.append((args, kwargs))
 
+        def outputs(_module: nn.Module, _args: tuple, _kwargs: dict, output: Any,
+                    capture: _GroupCapture = capture) -> None:
+            if searching[0]:  # the search's reference: the same call on the same inputs, already computed
+                capture.outputs.append(output[0] if isinstance(output, (tuple, list)) else output)
+
         handles.append(block.get_submodule(group.linears[0]).register_forward_pre_hook(inputs))
         if scaled:
-            handles.append(block.get_submodule(group.inspect).register_forward_pre_hook(calls, with_kwargs=True))
+            inspected = block.get_submodule(group.inspect)
+            handles.append(inspected.register_forward_pre_hook(calls, with_kwargs=True))
+            handles.append(inspected.register_forward_hook(outputs, with_kwargs=True))
     return handles, captures
 
 
@@ -296,7 +308,9 @@ def _process_block(block: nn.Module, prefix: str, adapter: Adapter, groups: list
         x_mean = capture.abs_sum / max(capture.count, 1)
         result = search_scales(linears, [f"{prefix}.{n}" in targets for n in group.linears],
                                _inspector(block.get_submodule(group.inspect), capture.calls), x_mean, spec,
-                               grid=settings.grid, duo_scaling=settings.duo_scaling)
+                               grid=settings.grid, duo_scaling=settings.duo_scaling,
+                               reference=capture.outputs if len(capture.outputs) == len(capture.calls) else None)
+        capture.outputs = []  # free them
         found.append((group, linears, result))
         outcome.ratios[f"{prefix}.{group.prev}"] = result.ratio
     for group, linears, result in found:

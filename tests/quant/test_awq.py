@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -119,6 +120,29 @@ def test_search_prefers_activation_aware_scales_on_outlier_inputs() -> None:
     assert result.ratio > 0
     assert result.losses[int(result.ratio * 20)] < 0.7 * result.losses[0]
     assert torch.equal(linear.weight.data, original)  # the search leaves the weights as it found them
+
+
+@torch.no_grad()
+def test_a_given_reference_output_saves_one_inspect_call_and_changes_nothing() -> None:
+    g = torch.Generator().manual_seed(2)
+    linear = nn.Linear(64, 48, bias=False)
+    linear.weight.data = torch.randn(48, 64, generator=g)
+    x = torch.randn(256, 64, generator=g)
+    x[:, :2] *= 20.0
+    calls = []
+
+    def inspect() -> list[torch.Tensor]:
+        calls.append(1)
+        return [linear(x)]
+
+    plain = search_scales([linear], [True], inspect, x.abs().mean(0), SYM, grid=10, duo_scaling=False)
+    assert len(calls) == 11
+    calls.clear()
+    given = search_scales([linear], [True], inspect, x.abs().mean(0), SYM, grid=10, duo_scaling=False,
+                          reference=[x @ linear.weight.t()])
+    assert len(calls) == 10
+    assert given.ratio == plain.ratio and torch.equal(given.scales, plain.scales)
+    np.testing.assert_allclose(given.losses, plain.losses, rtol=1e-6)
 
 
 @torch.no_grad()

@@ -97,6 +97,49 @@ def test_hessian_matches_float64_reference() -> None:
     np.testing.assert_allclose(accumulator.hessian().numpy(), 2.0 / len(x) * x.T @ x, rtol=1e-5, atol=1e-5)
 
 
+def test_banded_hessian_over_several_bands_matches_float64_reference_and_is_symmetric() -> None:
+    # 300 columns: bands of 128, 128 and a ragged 44, so only the lower triangle is accumulated.
+    inputs = torch.randn(2, 64, 300, generator=torch.Generator().manual_seed(4))
+    accumulator = HessianAccumulator(300, "cpu")
+    assert accumulator.band < 300
+    for batch in inputs:
+        accumulator.add_batch(batch)
+    hessian = accumulator.hessian()
+    x = inputs.reshape(-1, 300).double().numpy()
+    np.testing.assert_allclose(hessian.numpy(), 2.0 / len(x) * x.T @ x, rtol=1e-5, atol=1e-5)
+    assert torch.equal(hessian, hessian.t())
+
+
+@pytest.mark.parametrize("name", ["sym_g32", "asym_g32", "sym_channel", "ragged_g48"])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_stacked_solve_of_a_shared_input_group_equals_separate_solves(name: str, act_order: bool) -> None:
+    # q/k/v read one input: solved as one stacked weight they must get what each gets alone.
+    inputs = _correlated_inputs()
+    hessian = 2.0 / len(inputs) * inputs.T @ inputs
+    generator = torch.Generator().manual_seed(5)
+    modules = [torch.nn.Linear(128, rows, bias=False) for rows in (48, 16, 16)]
+    for module in modules:
+        module.weight.data = torch.randn(module.out_features, 128, generator=generator)
+    settings = GPTQConfig(act_order=act_order)
+    solved = gptq._solve_stage("b", ["q", "k", "v"], modules, hessian, SPECS[name], settings)
+    assert [full for full, _, _ in solved] == ["b.q", "b.k", "b.v"]
+    for (_, module, result) in solved:
+        alone = gptq_quantize_weight(module.weight.data, hessian, SPECS[name], act_order=act_order)
+        torch.testing.assert_close(result.quantized, alone.quantized, rtol=0, atol=1e-6)
+
+
+def test_per_tensor_grids_are_solved_one_linear_at_a_time() -> None:
+    inputs = _correlated_inputs()
+    hessian = 2.0 / len(inputs) * inputs.T @ inputs
+    spec = TensorQuantConfig(format="int", bits=4, symmetric=True, granularity="tensor")
+    modules = [torch.nn.Linear(128, 32, bias=False) for _ in range(2)]
+    modules[1].weight.data *= 10  # a stacked per-tensor grid would coarsen the first weight's
+    solved = gptq._solve_stage("b", ["gate", "up"], modules, hessian, spec, GPTQConfig())
+    for (_, module, result) in solved:
+        alone = gptq_quantize_weight(module.weight.data, hessian, spec)
+        assert torch.equal(result.quantized, alone.quantized)
+
+
 def test_dead_columns_get_zero_weight() -> None:
     inputs = _correlated_inputs()
     inputs[:, [5, 70]] = 0.0

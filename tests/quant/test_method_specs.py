@@ -133,7 +133,7 @@ def test_a_method_from_one_module_and_one_yaml_runs_end_to_end(toy_method, make_
     result = run_mod.run(make_cfg(*TINY_MATH, toy_method, "quant=toy_clip", "tracking.enabled=false"))
     assert (result["method"], result["scheme"]) == ("toy_clip", "toy_clip_w4g128")
     assert result["quant"]["bits_per_weight"] == pytest.approx(4.125) and result["metrics"]["math/kl_mean"] > 0
-    assert len(list((cache_dir / "calibrated").glob("*/weights.safetensors"))) == 1  # cacheable: stored
+    assert len(list((cache_dir / "calibrated").glob("*/shards.json"))) == 1  # cacheable: stored
     layers = pd.read_parquet(next((tmp_path / "results").glob("*")) / "quant_layers.parquet").set_index("name")
     # SQNR of one layer recomputed with numpy from a fresh copy of the seeded tiny model.
     cfg = OmegaConf.to_object(compose(["model=tiny_random"]))

@@ -26,7 +26,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from harness import (candidate, cli, devices, divergence, evaluate, gate, ledger, longgen, models, placement, quant,
-                     report, summary, sweep, tracking)
+                     report, resources, summary, sweep, tracking)
 from harness.cache import Cache, atomic_write_json, atomic_write_text
 from harness.config import RunConfig
 from harness.identity import config_dict, eval_settings, run_key, run_name, to_config, tokenizer_dir
@@ -44,15 +44,19 @@ class ResultsDirError(PermissionError, cli.UsageError):
 @dataclass
 class Timings:
     stages: dict[str, float] = field(default_factory=dict)
+    meter: resources.StageMeter = field(default_factory=resources.StageMeter)  # memory and tokens per stage
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
         start = time.perf_counter()
         log.info("▶ %s", name)
+        self.meter.begin(name)
         try:
             yield
         finally:
-            self.stages[name] = self.stages.get(name, 0.0) + time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            self.stages[name] = self.stages.get(name, 0.0) + elapsed
+            self.meter.end(name, elapsed)
 
 
 @dataclass
@@ -98,6 +102,7 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     cache = Cache(cfg.paths.cache_dir)
     with timings.stage("load"):
         loaded = models.load(cfg.model, cfg.paths.cache_dir)
+    timings.meter.watch(loaded.model)
     quant.validate_for_model(loaded.model, cfg.quant)
     placement.check_quantizable(loaded.model, quant.changes_weights(cfg.quant))  # device=auto with disk offload
     key = run_key(cfg, loaded.identity)
@@ -115,6 +120,7 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     with timings.stage("quantize"):
         if cfg.candidate.path:  # the candidate is an external checkpoint: load it in the reference's place
             loaded, quant_report, candidate_params = load_candidate(loaded, cfg)
+            timings.meter.watch(loaded.model)
         else:
             candidate_params = {}
             quant_report = quant.apply(loaded.model, cfg.quant, _quant_context(loaded, cfg, cache))
@@ -142,6 +148,7 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     with timings.stage("write"):
         write_analysis(results_dir, cfg, comparison, quant_report, result, capacity_ledger, long_generation)
     result["timings"].update(timings.stages)
+    result["resources"], result["throughput"] = timings.meter.resources(), timings.meter.throughput()
     result["started_at"], result["ended_at"] = started_at, time.time()  # the MLflow run spans the job
     atomic_write_json(results_dir / "summary.json", result)  # last: marks the results complete
     if cfg.gate.enabled:  # gate.json + gate.xml beside the results (a sweep gates every run)
@@ -152,6 +159,7 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     with timings.stage("logging"):
         _log_to_mlflow(results_dir, cfg, checked)
     result["timings"].update(timings.stages)  # the returned summary also times the logging
+    timings.meter.unwatch()
     log.info("results: %s (torch threads: %d, from %s)", results_dir, runtime["threads"], runtime["threads_from"])
     return result
 

@@ -28,6 +28,11 @@ def host_rss_peak_gb() -> float:
     return peak / (GB if sys.platform == "darwin" else 1024 ** 2)
 
 
+def hardware(machine: dict[str, str]) -> str:
+    """The hardware a run's throughput belongs to, from summary.json's ``machine``: the GPU, else the CPU count."""
+    return machine.get("gpu") or f"CPU ({machine.get('cpus', '?')} cores)"
+
+
 def _cuda_devices() -> list[int]:
     return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
 

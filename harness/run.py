@@ -171,6 +171,9 @@ def preflight(cfg: RunConfig) -> Preflight:
     quant.validate_scheme(cfg.quant)
     models.check_available(cfg.model)
     uri = tracking.resolve_uri(cfg.tracking.uri)
+    shared = sweep.shared_store_warning(uri, sweep.hydra_launcher()) if cfg.tracking.enabled else None
+    if shared:
+        log.warning("SHARED TRACKING STORE: %s", shared)
     problem = tracking.check_tracking(uri) if cfg.tracking.enabled else None
     if problem:
         log.warning("TRACKING UNAVAILABLE: %s", problem)

@@ -30,7 +30,7 @@ from harness import (candidate, cli, devices, divergence, evaluate, gate, ledger
 from harness.cache import Cache, atomic_write_json, atomic_write_text
 from harness.config import RunConfig
 from harness.identity import config_dict, eval_settings, run_key, run_name, to_config, tokenizer_dir
-from harness.reference_stage import SliceReference, compute_reference
+from harness.reference_stage import SliceReference, deferred_references, reference_unless_busy
 from harness.runtime import apply_threads
 from harness.slices import Slice, check_hub_for_registry, resolve
 
@@ -115,8 +115,10 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     if cfg.force:
         shutil.rmtree(checkpoint, ignore_errors=True)
 
-    with timings.stage("reference"):
-        references = {s.name: compute_reference(loaded, s, cfg, cache) for s in checked.slices}
+    with timings.stage("reference"):  # a reference another job is computing is read after evaluating
+        references = {s.name: r for s in checked.slices
+                      if (r := reference_unless_busy(loaded, s, cfg, cache)) is not None}
+    deferred = [s for s in checked.slices if s.name not in references]
     with timings.stage("quantize"):
         if cfg.candidate.path:  # the candidate is an external checkpoint: load it in the reference's place
             loaded, quant_report, candidate_params = load_candidate(loaded, cfg)
@@ -126,6 +128,10 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
             quant_report = quant.apply(loaded.model, cfg.quant, _quant_context(loaded, cfg, cache))
     with timings.stage("evaluate"):
         evaluated = evaluate_quantized(loaded, checked.slices, cfg, checkpoint)
+    if deferred:
+        with timings.stage("reference_wait"):
+            references.update(deferred_references(loaded, deferred, cfg, cache))
+        references = {s.name: references[s.name] for s in checked.slices}
     with timings.stage("divergence"):
         tokens = pd.concat([divergence.compare_to_reference(loaded.model, references[s.name].texts, s.name)
                             for s in checked.slices], ignore_index=True)
@@ -142,6 +148,7 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     result["quant"].update(capacity_ledger.metrics())
     result["runtime"] = runtime
     result["candidate"] = candidate_params
+    result["reference_deferred"] = [s.name for s in deferred]  # read after evaluating: another job computed it
     long_generation = longgen.for_run(items, loaded.tokenizer)
     if long_generation is not None:
         result["long_generation"] = long_generation.summary

@@ -279,8 +279,10 @@ def throughput_from_results(results_dir: Path, cfg: RunConfig, hardware: str) ->
     """Rates fitted to finished runs of ``cfg``'s model (name, dtype, device) on ``hardware``; None if none.
 
     Each stage of each run is one equation ``seconds = prefill / P + generated / D``; the
-    inverse rates 1/P, 1/D are their non-negative least-squares solution. None also when the
-    runs cannot separate the two rates (no generated tokens, or a rate fitted as infinite).
+    inverse rates 1/P, 1/D are their non-negative least-squares solution. Where that gives
+    one rate as infinite (fixed per-stage costs dominate a small model), P comes from the
+    stages without generation and D from what the others' time leaves. None when the runs
+    cannot give both rates (no generated tokens, or no time left for them).
     """
     from scipy.optimize import nnls
 
@@ -302,9 +304,17 @@ def throughput_from_results(results_dir: Path, cfg: RunConfig, hardware: str) ->
     if not rows or not any(r[1] for r in rows):
         return None
     design = np.array([[r[0], r[1]] for r in rows], dtype=float)
-    (per_prefill, per_decode), _ = nnls(design, np.array([r[2] for r in rows], dtype=float))
-    if per_prefill <= 0 or per_decode <= 0:
-        return None
+    seconds = np.array([r[2] for r in rows], dtype=float)
+    (per_prefill, per_decode), _ = nnls(design, seconds)
+    if per_prefill <= 0 or per_decode <= 0:  # the fit gave one kind of token all the time: separate them directly
+        prefill_only = design[:, 1] == 0
+        if not prefill_only.any() or design[prefill_only, 0].sum() == 0:
+            return None
+        per_prefill = seconds[prefill_only].sum() / design[prefill_only, 0].sum()
+        residual = seconds[~prefill_only].sum() - per_prefill * design[~prefill_only, 0].sum()
+        if residual <= 0:
+            return None
+        per_decode = residual / design[~prefill_only, 1].sum()
     return Throughput(1.0 / per_prefill, 1.0 / per_decode, float(np.median(loads)),
                       f"fitted to {len(rows)} stages of {runs} earlier run(s) in {results_dir} on {hardware} "
                       f"({cfg.model.device}, {cfg.model.dtype})")
@@ -378,8 +388,8 @@ def format_plan(plan: SweepPlan) -> str:
     lines.append(pd.DataFrame(rows).to_string(index=False))
     longest = max([j.estimated_s for j in plan.jobs] or [0.0]) + sum(r.estimated_s for r in plan.references)
     lines.append(f"Estimated: {_duration(plan.total_s)} one job after another; at least {_duration(longest)} with all "
-                 "jobs in parallel (the references run inside the first job, the others wait for them). "
-                 "Generated tokens are upper bounds.")
+                 "jobs in parallel (the references run inside the first job; the others quantize and evaluate "
+                 "meanwhile). Generated tokens are upper bounds.")
     return "\n".join(lines)
 
 

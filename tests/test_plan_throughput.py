@@ -55,3 +55,24 @@ def test_runs_without_generation_cannot_give_a_decode_rate(tmp_path):
         stage["generated_tokens"] = 0
     (tmp_path / "a" / "summary.json").write_text(json.dumps(summary))
     assert plan_mod.throughput_from_results(tmp_path, cfg, "CPU (2 cores)") is None
+
+
+def test_plan_sweep_uses_a_finished_runs_throughput(make_cfg, tmp_path, cache_dir, capsys):
+    """A real run's summary.json, its stage times set to known rates: the plan must estimate with those."""
+    from harness import run as run_mod
+    from tests.test_sweeps import TINY, paths
+
+    run_mod.run(make_cfg(*TINY, "quant=int8", "tracking.enabled=false"))
+    [path] = (tmp_path / "results").glob("*/summary.json")
+    summary = json.loads(path.read_text())
+    assert summary["throughput"]["evaluate"]["generated_tokens"] > 0
+    for stage in summary["throughput"].values():
+        stage["seconds"] = stage["prefill_tokens"] / PREFILL + stage["generated_tokens"] / DECODE
+    path.write_text(json.dumps(summary))
+    plan = plan_mod.plan_sweep([*TINY, *paths(tmp_path, cache_dir), "quant=int4"])
+    [rate] = plan.throughput.values()
+    assert (rate.prefill_tokens_per_s, rate.decode_tokens_per_s) == (pytest.approx(PREFILL), pytest.approx(DECODE))
+    assert rate.load_s == pytest.approx(summary["timings"]["load"])
+    assert "1 earlier run(s)" in rate.source
+    assert plan_mod.main([*TINY, *paths(tmp_path, cache_dir), "quant=int4"]) == 0
+    assert "1 earlier run(s) in" in capsys.readouterr().out

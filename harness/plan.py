@@ -12,10 +12,14 @@ generation requests, ``generated`` their ``max_gen_toks`` (an upper bound: gener
 a stop sequence), ``divergence`` the gold texts scored for KL/PPL, ``calibration`` the
 calibration set, once per part of the scheme that calibrates (a GPTQ/AWQ/SmoothQuant method,
 static activation scales, static KV-cache scales; ``quant.calibration_passes``). Time = load + (scored + prompt + divergence
-+ calibration) / prefill rate + generated / decode rate, with rates measured by a short forward
-and a short generation of the configured model on this machine (``tokens_per_s=`` and
-``decode_tokens_per_s=`` give a GPU's rates instead, and skip loading the model). The
-estimate is linear in tokens: attention makes very long contexts slower than that.
++ calibration) / prefill rate + generated / decode rate. The rates come from, in order:
+``tokens_per_s=`` / ``decode_tokens_per_s=`` (a GPU's rates; the model is not loaded); the
+finished runs under ``paths.results_dir`` of the same model, dtype and device on this hardware
+(their summary.json's ``throughput``: tokens and wall time per stage, fitted by non-negative
+least squares, time = prefill / prefill rate + generated / decode rate, so the rates include
+each stage's bookkeeping); else a short forward and a short generation measured here. The
+printed plan says which. The estimate is linear in tokens: attention makes very long contexts
+slower than that.
 """
 from __future__ import annotations
 
@@ -26,10 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from harness import cli, divergence, models, quant
+from harness import cli, divergence, models, quant, resources
 from harness.cache import Cache, stable_hash
 from harness.config import RunConfig, load_model_config
 from harness.identity import (divergence_texts, eval_settings, max_divergence_tokens, reference_key, run_key,
@@ -246,10 +251,73 @@ def _prepare_model(cfg: RunConfig, tokens_per_s: float | None, decode_tokens_per
 
     apply_threads(cfg.runtime)  # the rates are measured with the threads the job would use
     loaded = models.load(cfg.model, cfg.paths.cache_dir)
-    prefill, decode = measure_throughput(loaded, cfg)
-    rate = Throughput(prefill, decode_tokens_per_s or decode, loaded.timings.get("load_s", 0.0),
-                      f"measured here on {cfg.model.device} ({cfg.model.dtype})")
+    rate = throughput_from_results(Path(cfg.paths.results_dir), cfg, current_hardware())
+    if rate is None:
+        prefill, decode = measure_throughput(loaded, cfg)
+        rate = Throughput(prefill, decode, loaded.timings.get("load_s", 0.0),
+                          f"measured here on {cfg.model.device} ({cfg.model.dtype})")
+    if decode_tokens_per_s:
+        rate = Throughput(rate.prefill_tokens_per_s, decode_tokens_per_s, rate.load_s,
+                          rate.source + "; decode rate given (decode_tokens_per_s=)")
     return _Model(rate, loaded.tokenizer, loaded)
+
+
+FITTED_STAGES = ("reference", "quantize", "evaluate", "divergence")  # stages whose time is model forwards
+
+
+def current_hardware() -> str:
+    """This machine's hardware label, as :func:`harness.resources.hardware` names a past run's."""
+    import os
+
+    machine = {"cpus": str(os.cpu_count())}
+    if torch.cuda.is_available():
+        machine["gpu"] = torch.cuda.get_device_name(0)
+    return resources.hardware(machine)
+
+
+def throughput_from_results(results_dir: Path, cfg: RunConfig, hardware: str) -> Throughput | None:
+    """Rates fitted to finished runs of ``cfg``'s model (name, dtype, device) on ``hardware``; None if none.
+
+    Each stage of each run is one equation ``seconds = prefill / P + generated / D``; the
+    inverse rates 1/P, 1/D are their non-negative least-squares solution. Where that gives
+    one rate as infinite (fixed per-stage costs dominate a small model), P comes from the
+    stages without generation and D from what the others' time leaves. None when the runs
+    cannot give both rates (no generated tokens, or no time left for them).
+    """
+    from scipy.optimize import nnls
+
+    rows, loads, runs = [], [], 0
+    for path in sorted(results_dir.glob("*/summary.json")) if results_dir.is_dir() else []:
+        try:
+            summary = json.loads(path.read_text())
+            model = json.loads((path.parent / "config.json").read_text())["model"]
+        except (OSError, ValueError, KeyError):
+            continue
+        if (summary.get("model") != cfg.model.name or model.get("dtype") != cfg.model.dtype
+                or model.get("device") != cfg.model.device or not summary.get("throughput")
+                or resources.hardware(summary.get("machine") or {}) != hardware):
+            continue
+        stages = [summary["throughput"][s] for s in FITTED_STAGES if s in summary["throughput"]]
+        rows += [(s["prefill_tokens"], s["generated_tokens"], s["seconds"]) for s in stages]
+        loads.append(float(summary.get("timings", {}).get("load", 0.0)))
+        runs += 1
+    if not rows or not any(r[1] for r in rows):
+        return None
+    design = np.array([[r[0], r[1]] for r in rows], dtype=float)
+    seconds = np.array([r[2] for r in rows], dtype=float)
+    (per_prefill, per_decode), _ = nnls(design, seconds)
+    if per_prefill <= 0 or per_decode <= 0:  # the fit gave one kind of token all the time: separate them directly
+        prefill_only = design[:, 1] == 0
+        if not prefill_only.any() or design[prefill_only, 0].sum() == 0:
+            return None
+        per_prefill = seconds[prefill_only].sum() / design[prefill_only, 0].sum()
+        residual = seconds[~prefill_only].sum() - per_prefill * design[~prefill_only, 0].sum()
+        if residual <= 0:
+            return None
+        per_decode = residual / design[~prefill_only, 1].sum()
+    return Throughput(1.0 / per_prefill, 1.0 / per_decode, float(np.median(loads)),
+                      f"fitted to {len(rows)} stages of {runs} earlier run(s) in {results_dir} on {hardware} "
+                      f"({cfg.model.device}, {cfg.model.dtype})")
 
 
 def _reference_plan(cfg: RunConfig, slice_: Slice, counts: SliceTokens, model: _Model) -> ReferencePlan:
@@ -320,8 +388,8 @@ def format_plan(plan: SweepPlan) -> str:
     lines.append(pd.DataFrame(rows).to_string(index=False))
     longest = max([j.estimated_s for j in plan.jobs] or [0.0]) + sum(r.estimated_s for r in plan.references)
     lines.append(f"Estimated: {_duration(plan.total_s)} one job after another; at least {_duration(longest)} with all "
-                 "jobs in parallel (the references run inside the first job, the others wait for them). "
-                 "Generated tokens are upper bounds.")
+                 "jobs in parallel (the references run inside the first job; the others quantize and evaluate "
+                 "meanwhile). Generated tokens are upper bounds.")
     return "\n".join(lines)
 
 

@@ -4,6 +4,14 @@ Computed once per (model, slice, settings) and cached by :func:`harness.identity
 so every scheme of a sweep compares against the same reference. An interrupted computation
 resumes from lm-eval's per-request checkpoint next to the cache entry.
 
+In a sweep, a job that finds another live job computing a reference it needs does not wait
+with an idle GPU: :func:`reference_unless_busy` returns None for that slice, the job quantizes
+and evaluates meanwhile, and :func:`deferred_references` then waits for the entry. The
+reference must never be computed with the quantized model (quantization is in place), so if
+the other job ended without finishing it, the unquantized model is loaded again and the
+reference computed here: the sweep still completes, at the cost of one extra load and, while
+the reference runs, both models in memory.
+
 (Not ``harness/reference.py``: a submodule of that name would shadow the public API's
 ``harness.reference`` function once imported.)
 """
@@ -19,6 +27,7 @@ import torch
 
 from harness import divergence, evaluate, models
 from harness.cache import Cache
+from harness.locks import LockTimeout
 from harness.config import RunConfig
 from harness.identity import (continuation_texts, divergence_texts, eval_settings, max_divergence_tokens,
                               reference_key, tokenizer_dir)
@@ -65,6 +74,53 @@ def compute_reference(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig,
             save_reference_texts(tmp / "divergence.pt", scored, cache, loaded.key)
         evaluate.drop_checkpoint(checkpoint)
         return SliceReference(records, aggregates, scored, False, restored)
+
+
+def reference_unless_busy(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig,
+                          cache: Cache) -> SliceReference | None:
+    """:func:`compute_reference`, or None when another live job holds this reference's lock.
+
+    A free lock (or a stale one, broken with a warning) is taken and the reference computed or
+    read here, exactly as :func:`compute_reference` does; only a lock with a live owner defers.
+    """
+    key = reference_key(loaded, slice_, cfg)
+    lock = cache.lock("reference", key, timeout=0)  # one look: a live owner's lock raises at once
+    try:
+        lock.acquire()
+    except LockTimeout:
+        if cache.complete("reference", key):  # finished between the look and now
+            return compute_reference(loaded, slice_, cfg, cache)
+        log.info("reference for slice %s: another job is computing it; quantizing and evaluating meanwhile",
+                 slice_.name)
+        return None
+    try:
+        return compute_reference(loaded, slice_, cfg, cache)  # the lock is re-entrant within the process
+    finally:
+        lock.release()
+
+
+def deferred_references(quantized: models.LoadedModel, slices: list[Slice], cfg: RunConfig,
+                        cache: Cache) -> dict[str, SliceReference]:
+    """The references another job was computing, once ready; computed here if that job gave up.
+
+    ``quantized`` is only used to find and read the cache entries (its identity is the
+    unquantized model's). An entry still missing once its lock is free (the other job died or
+    failed) is computed, under the lock, with the unquantized model loaded again.
+    """
+    unquantized: models.LoadedModel | None = None
+    out = {}
+    for slice_ in slices:
+        key = reference_key(quantized, slice_, cfg)
+        with cache.lock("reference", key):  # waits for the other job (breaks its lock if it died)
+            if cache.complete("reference", key):
+                out[slice_.name] = compute_reference(quantized, slice_, cfg, cache)  # reads the entry
+                continue
+            log.warning("reference for slice %s: the job computing it ended without finishing it; loading the "
+                        "unquantized model again to compute it here", slice_.name)
+            if unquantized is None:
+                unquantized = models.load(cfg.model, cfg.paths.cache_dir)
+            out[slice_.name] = compute_reference(unquantized, slice_, cfg, cache)
+    return out
 
 
 def save_reference_texts(path: Path, texts: list[divergence.ReferenceText], cache: Cache, model_key: str) -> None:

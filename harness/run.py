@@ -26,11 +26,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from harness import (candidate, cli, devices, divergence, evaluate, gate, ledger, longgen, models, placement, quant,
-                     report, summary, sweep, tracking)
+                     report, resources, summary, sweep, tracking)
 from harness.cache import Cache, atomic_write_json, atomic_write_text
 from harness.config import RunConfig
 from harness.identity import check_backend, config_dict, eval_settings, run_key, run_name, to_config, tokenizer_dir
-from harness.reference_stage import SliceReference, compute_reference
+from harness.reference_stage import SliceReference, deferred_references, reference_unless_busy
 from harness.runtime import apply_threads
 from harness.slices import Slice, check_hub_for_registry, resolve
 
@@ -44,15 +44,19 @@ class ResultsDirError(PermissionError, cli.UsageError):
 @dataclass
 class Timings:
     stages: dict[str, float] = field(default_factory=dict)
+    meter: resources.StageMeter = field(default_factory=resources.StageMeter)  # memory and tokens per stage
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
         start = time.perf_counter()
         log.info("▶ %s", name)
+        self.meter.begin(name)
         try:
             yield
         finally:
-            self.stages[name] = self.stages.get(name, 0.0) + time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            self.stages[name] = self.stages.get(name, 0.0) + elapsed
+            self.meter.end(name, elapsed)
 
 
 @dataclass
@@ -98,6 +102,7 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     cache = Cache(cfg.paths.cache_dir)
     with timings.stage("load"):
         loaded = models.load(cfg.model, cfg.paths.cache_dir)
+    timings.meter.watch(loaded.model)
     quant.validate_for_model(loaded.model, cfg.quant)
     placement.check_quantizable(loaded.model, quant.changes_weights(cfg.quant))  # device=auto with disk offload
     key = run_key(cfg, loaded.identity)
@@ -110,16 +115,23 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     if cfg.force:
         shutil.rmtree(checkpoint, ignore_errors=True)
 
-    with timings.stage("reference"):
-        references = {s.name: compute_reference(loaded, s, cfg, cache) for s in checked.slices}
+    with timings.stage("reference"):  # a reference another job is computing is read after evaluating
+        references = {s.name: r for s in checked.slices
+                      if (r := reference_unless_busy(loaded, s, cfg, cache)) is not None}
+    deferred = [s for s in checked.slices if s.name not in references]
     with timings.stage("quantize"):
         if cfg.candidate.path:  # the candidate is an external checkpoint: load it in the reference's place
             loaded, quant_report, candidate_params = load_candidate(loaded, cfg)
+            timings.meter.watch(loaded.model)
         else:
             candidate_params = {}
             quant_report = quant.apply(loaded.model, cfg.quant, _quant_context(loaded, cfg, cache))
     with timings.stage("evaluate"):
         evaluated = evaluate_quantized(loaded, checked.slices, cfg, checkpoint)
+    if deferred:
+        with timings.stage("reference_wait"):
+            references.update(deferred_references(loaded, deferred, cfg, cache))
+        references = {s.name: references[s.name] for s in checked.slices}
     with timings.stage("divergence"):
         tokens = pd.concat([divergence.compare_to_reference(loaded.model, references[s.name].texts, s.name)
                             for s in checked.slices], ignore_index=True)
@@ -136,12 +148,14 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     result["quant"].update(capacity_ledger.metrics())
     result["runtime"] = runtime
     result["candidate"] = candidate_params
+    result["reference_deferred"] = [s.name for s in deferred]  # read after evaluating: another job computed it
     long_generation = longgen.for_run(items, loaded.tokenizer)
     if long_generation is not None:
         result["long_generation"] = long_generation.summary
     with timings.stage("write"):
         write_analysis(results_dir, cfg, comparison, quant_report, result, capacity_ledger, long_generation)
     result["timings"].update(timings.stages)
+    result["resources"], result["throughput"] = timings.meter.resources(), timings.meter.throughput()
     result["started_at"], result["ended_at"] = started_at, time.time()  # the MLflow run spans the job
     atomic_write_json(results_dir / "summary.json", result)  # last: marks the results complete
     if cfg.gate.enabled:  # gate.json + gate.xml beside the results (a sweep gates every run)
@@ -152,6 +166,7 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     with timings.stage("logging"):
         _log_to_mlflow(results_dir, cfg, checked)
     result["timings"].update(timings.stages)  # the returned summary also times the logging
+    timings.meter.unwatch()
     log.info("results: %s (torch threads: %d, from %s)", results_dir, runtime["threads"], runtime["threads_from"])
     return result
 
@@ -164,6 +179,9 @@ def preflight(cfg: RunConfig) -> Preflight:
     check_backend(cfg)
     models.check_available(cfg.model)
     uri = tracking.resolve_uri(cfg.tracking.uri)
+    shared = sweep.shared_store_warning(uri, sweep.hydra_launcher()) if cfg.tracking.enabled else None
+    if shared:
+        log.warning("SHARED TRACKING STORE: %s", shared)
     problem = tracking.check_tracking(uri) if cfg.tracking.enabled else None
     if problem:
         log.warning("TRACKING UNAVAILABLE: %s", problem)

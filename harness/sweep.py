@@ -48,3 +48,33 @@ def tags_with_sweep_id(tags: Mapping[str, str]) -> dict[str, str]:
     if identifier:
         out[SWEEP_TAG] = identifier
     return out
+
+
+SLURM_LAUNCHERS = ("slurm", "slurm_70b")  # conf/hydra/launcher/*.yaml that submit to Slurm
+
+
+def hydra_launcher() -> str | None:
+    """The ``hydra/launcher`` option of this multirun job (``slurm``, ``local``, ...), else None."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return None
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return None
+    return hydra_cfg.runtime.choices.get("hydra/launcher")
+
+
+def shared_store_warning(uri: str, launcher: str | None) -> str | None:
+    """Why an SQLite tracking store is unsafe for a Slurm sweep, or None when it is not one.
+
+    Jobs of a Slurm sweep run on many nodes; SQLite over NFS/Lustre has no reliable locking
+    across nodes, so concurrent writes from them can corrupt the database or fail with
+    "database is locked". A tracking server serialises the writes.
+    """
+    if launcher not in SLURM_LAUNCHERS or not uri.startswith("sqlite:"):
+        return None
+    return (f"tracking.uri={uri} is an SQLite file, which jobs of a Slurm sweep (hydra/launcher={launcher}) write "
+            "from many nodes at once over a shared filesystem: it can lock up or corrupt. Run an MLflow tracking "
+            "server and pass tracking.uri=http://<host>:5000 (README: Sweeps on a cluster)")

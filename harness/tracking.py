@@ -302,6 +302,8 @@ def _log_results(result_dir: str | os.PathLike, *, uri: str, experiment: str,
         metrics.update({f"time/{k}": float(v) for k, v in summary.get("timings", {}).items()})
         metrics.update({f"quant/{k}": float(v) for k, v in summary.get("quant", {}).items()
                         if isinstance(v, (int, float)) and abs(float(v)) != float("inf")})
+        from harness.resources import flat_metrics
+        metrics.update(flat_metrics(summary))  # peak memory and tokens/s per stage
         stamp = end_ms if end_ms is not None else int(time.time() * 1000)
         rows = [Metric(k, v, stamp, 0) for k, v in metrics.items()]
         for begin in range(0, len(params), 100):

@@ -1,0 +1,78 @@
+"""harness.plan's rates from earlier runs' measured throughput (summary.json ``throughput``)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from harness import plan as plan_mod
+from harness.cli import compose_run
+
+PREFILL, DECODE = 1200.0, 40.0  # the rates the synthetic runs were "measured" at
+
+
+def write_run(root: Path, name: str, *, model: str = "tiny_random", dtype: str = "float32", device: str = "cpu",
+              gpu: str | None = None, load: float = 3.0) -> None:
+    stages = {"reference": (5000, 300), "evaluate": (4000, 250), "divergence": (900, 0), "quantize": (2000, 0)}
+    throughput = {s: {"prefill_tokens": p, "generated_tokens": g, "seconds": p / PREFILL + g / DECODE,
+                      "tokens_per_s": 0.0} for s, (p, g) in stages.items()}
+    machine = {"cpus": "2", **({"gpu": gpu} if gpu else {})}
+    directory = root / name
+    directory.mkdir(parents=True)
+    (directory / "summary.json").write_text(json.dumps({"run_key": name, "model": model, "throughput": throughput,
+                                                        "machine": machine, "timings": {"load": load}}))
+    (directory / "config.json").write_text(json.dumps({"model": {"dtype": dtype, "device": device}}))
+
+
+def test_rates_are_fitted_to_matching_runs_only(tmp_path):
+    cfg = compose_run(["model=tiny_random"])
+    results = tmp_path / "results"
+    write_run(results, "a", load=2.0)
+    write_run(results, "b", load=4.0)
+    write_run(results, "c", dtype="bfloat16", load=100.0)  # other dtype, other hardware, other model: ignored
+    write_run(results, "d", gpu="NVIDIA H200", load=100.0)
+    write_run(results, "e", model="smollm2_135m", load=100.0)
+    (results / "f").mkdir()
+    (results / "f" / "summary.json").write_text("{not json")  # an unreadable run is skipped
+    rate = plan_mod.throughput_from_results(results, cfg, "CPU (2 cores)")
+    assert rate.prefill_tokens_per_s == pytest.approx(PREFILL, rel=1e-9)
+    assert rate.decode_tokens_per_s == pytest.approx(DECODE, rel=1e-9)
+    assert rate.load_s == pytest.approx(3.0)
+    assert "8 stages of 2 earlier run(s)" in rate.source and "CPU (2 cores)" in rate.source
+    gpu = plan_mod.throughput_from_results(results, cfg, "NVIDIA H200")
+    assert gpu.load_s == 100.0 and "1 earlier run(s)" in gpu.source
+    assert plan_mod.throughput_from_results(results, cfg, "NVIDIA A100") is None
+    assert plan_mod.throughput_from_results(tmp_path / "absent", cfg, "CPU (2 cores)") is None
+
+
+def test_runs_without_generation_cannot_give_a_decode_rate(tmp_path):
+    cfg = compose_run(["model=tiny_random"])
+    write_run(tmp_path, "a")
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    for stage in summary["throughput"].values():
+        stage["seconds"] -= stage["generated_tokens"] / DECODE
+        stage["generated_tokens"] = 0
+    (tmp_path / "a" / "summary.json").write_text(json.dumps(summary))
+    assert plan_mod.throughput_from_results(tmp_path, cfg, "CPU (2 cores)") is None
+
+
+def test_plan_sweep_uses_a_finished_runs_throughput(make_cfg, tmp_path, cache_dir, capsys):
+    """A real run's summary.json, its stage times set to known rates: the plan must estimate with those."""
+    from harness import run as run_mod
+    from tests.test_sweeps import TINY, paths
+
+    run_mod.run(make_cfg(*TINY, "quant=int8", "tracking.enabled=false"))
+    [path] = (tmp_path / "results").glob("*/summary.json")
+    summary = json.loads(path.read_text())
+    assert summary["throughput"]["evaluate"]["generated_tokens"] > 0
+    for stage in summary["throughput"].values():
+        stage["seconds"] = stage["prefill_tokens"] / PREFILL + stage["generated_tokens"] / DECODE
+    path.write_text(json.dumps(summary))
+    plan = plan_mod.plan_sweep([*TINY, *paths(tmp_path, cache_dir), "quant=int4"])
+    [rate] = plan.throughput.values()
+    assert (rate.prefill_tokens_per_s, rate.decode_tokens_per_s) == (pytest.approx(PREFILL), pytest.approx(DECODE))
+    assert rate.load_s == pytest.approx(summary["timings"]["load"])
+    assert "1 earlier run(s)" in rate.source
+    assert plan_mod.main([*TINY, *paths(tmp_path, cache_dir), "quant=int4"]) == 0
+    assert "1 earlier run(s) in" in capsys.readouterr().out

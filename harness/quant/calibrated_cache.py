@@ -53,9 +53,12 @@ def scheme_identity(scheme: QuantConfig) -> dict[str, Any]:
     """
     from harness.quant.calibration import source_identity
     spec = get_method(scheme.method)
+    weights = _plain(scheme.weights)
+    if isinstance(weights, dict) and weights.get("int_range") == "restricted":
+        del weights["int_range"]  # the default grid: keys made before the option existed stay valid
     identity = {
         "method": scheme.method,
-        "weights": _plain(scheme.weights),
+        "weights": weights,
         "targets": list(scheme.targets),
         "keep": list(scheme.keep),
         "settings": _plain(method_settings(scheme)) if spec.cacheable else None,

@@ -106,7 +106,7 @@ def kl_by_position(comparison: Comparison) -> pd.DataFrame:
 
 
 def _markdown_or_none(table: pd.DataFrame) -> str:
-    return table.to_markdown(index=False) if len(table) else "(no scored tokens)"
+    return table.to_markdown(index=False) if len(table) else "(no per-position token statistics in this run)"
 
 
 def plot_kl_by_position(comparison: Comparison, path: Path | str, *, title: str | None = None) -> Path | None:

@@ -44,7 +44,9 @@ def print_comparison(comparison: Comparison, result: dict) -> None:
     print()
 
 
-def markdown(comparison: Comparison, result: dict) -> str:
+def markdown(comparison: Comparison, result: dict, kl_plot: str | None = None) -> str:
+    """The run's report.md; ``kl_plot``: file name of the :func:`plot_kl_by_position` PNG beside it, shown
+    under the KL-by-position table (None: no image line)."""
     timings = ", ".join(f"{k} {v:.1f}s" for k, v in result.get("timings", {}).items())
     sub = comparison.item_stats[comparison.item_stats["level"] == "sub_slice"]
     sub_cols = [c for c in ["slice", "sub_slice", "n", "n_clusters", "acc_ref", "acc_quant", "delta", "delta_ci_low",
@@ -57,6 +59,7 @@ def markdown(comparison: Comparison, result: dict) -> str:
         "## Sub-slices", "", sub[sub_cols].to_markdown(index=False, floatfmt=".3f"), "",
         "## Generation divergence", "", comparison.generation.to_markdown(index=False, floatfmt=".3f"), "",
         "## KL by position", "", KL_BY_POSITION_NOTE, "", _markdown_or_none(kl_by_position(comparison)), "",
+        *([f"![KL by position]({kl_plot})", ""] if kl_plot else []),
         f"Timings: {timings}", "",
     ])
 

@@ -148,3 +148,24 @@ def test_bucket_labels_that_are_not_position_buckets_are_refused():
     assert report.bucket_start("[128, 512)") == 128.0
     with pytest.raises(ValueError, match="not of the form"):
         report.bucket_start("early")
+
+
+def test_a_tiny_random_run_reports_kl_by_position_and_plots_it(make_cfg, tmp_path):
+    """End to end: the run's report.md lists every per-position row of its token_stats.parquet, and
+    plot_kl_by_position draws them from a Comparison rebuilt off the written parquet."""
+    from harness import run as run_mod
+    from tests.conftest import TINY_MATH
+
+    run_mod.run(make_cfg(*TINY_MATH, "quant=int4_g128", "tracking.enabled=false", "runtime.threads=1"))
+    directory = next((tmp_path / "results").glob("*"))
+    token_rows = pd.read_parquet(directory / "token_stats.parquet")
+    per_position = token_rows[(token_rows["bucket"].astype(str) != "all") & (token_rows["slice"] != "overall")]
+    assert len(per_position) >= 1
+    section = (directory / "report.md").read_text().split("## KL by position", 1)[1].split("Timings:", 1)[0]
+    for row in per_position.to_dict("records"):
+        cells = next(c for c in ([x.strip() for x in line.strip("|").split("|")] for line in section.splitlines()
+                                 if line.startswith("|")) if c[:2] == [row["slice"], str(row["bucket"])])
+        assert cells[2] == str(int(row["n_tokens"])) and cells[3].startswith(f"{row['kl_mean']:.4f} ± ")
+    comparison = summary.Comparison(items=pd.DataFrame(), item_stats=pd.DataFrame(), token_stats=token_rows,
+                                    generation=pd.DataFrame())
+    assert report.plot_kl_by_position(comparison, tmp_path / "kl.png").read_bytes()[:4] == b"\x89PNG"

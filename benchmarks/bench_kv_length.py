@@ -11,7 +11,8 @@ from the harness's own code: ``divergence.score_reference`` (store=hidden) and
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_kv_length.py \
         [--schemes kv8,kv4,int4_g128] [--texts 2] [--max-tokens 8192] [--threads 1]
 
-Writes benchmarks/results/kv_length.json, kv_length.md and kv_length.png. Per-token SEs treat
+Writes benchmarks/results/kv_length.json, kv_length.md and kv_length.png (kv_length_4k.* is the same
+run at --max-tokens 4096, renamed by hand). Per-token SEs treat
 tokens as independent (optimistic: neighbouring tokens correlate), as harness.token_stats does.
 """
 from __future__ import annotations

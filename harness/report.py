@@ -1,5 +1,9 @@
-"""Human-readable views of one run's comparison: the terminal table and report.md."""
+"""Human-readable views of one run's comparison: the terminal table, report.md and its KL-by-position plot."""
 from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
 
 import pandas as pd
 
@@ -40,7 +44,9 @@ def print_comparison(comparison: Comparison, result: dict) -> None:
     print()
 
 
-def markdown(comparison: Comparison, result: dict) -> str:
+def markdown(comparison: Comparison, result: dict, kl_plot: str | None = None) -> str:
+    """The run's report.md; ``kl_plot``: file name of the :func:`plot_kl_by_position` PNG beside it, shown
+    under the KL-by-position table (None: no image line)."""
     timings = ", ".join(f"{k} {v:.1f}s" for k, v in result.get("timings", {}).items())
     sub = comparison.item_stats[comparison.item_stats["level"] == "sub_slice"]
     sub_cols = [c for c in ["slice", "sub_slice", "n", "n_clusters", "acc_ref", "acc_quant", "delta", "delta_ci_low",
@@ -52,5 +58,97 @@ def markdown(comparison: Comparison, result: dict) -> str:
         "", side_by_side(comparison).to_markdown(index=False), "",
         "## Sub-slices", "", sub[sub_cols].to_markdown(index=False, floatfmt=".3f"), "",
         "## Generation divergence", "", comparison.generation.to_markdown(index=False, floatfmt=".3f"), "",
+        "## KL by position", "", KL_BY_POSITION_NOTE, "", _markdown_or_none(kl_by_position(comparison)), "",
+        *([f"![KL by position]({kl_plot})", ""] if kl_plot else []),
         f"Timings: {timings}", "",
     ])
+
+
+KL_BY_POSITION_NOTE = ("Token divergence per slice by the scored token's position in its text (eval.position_buckets): "
+                       "error that accumulates over the context, as low-bit KV caches are expected to, shows as KL "
+                       "rising and top-1 agreement falling in later buckets. SEs treat tokens as independent "
+                       "(optimistic). Plot: `plot_kl_by_position`.")
+_BUCKET = re.compile(r"^\[\s*([-+0-9.eE]+|inf)\s*,")
+
+
+def bucket_start(label: str) -> float:
+    """Lower edge of a position-bucket label ``"[128, 512)"`` (as token_stats.position_buckets writes them)."""
+    match = _BUCKET.match(str(label))
+    if not match:
+        raise ValueError(f"position bucket {label!r} is not of the form '[low, high)' written by "
+                         "harness.token_stats.position_buckets")
+    return float(match.group(1))
+
+
+def position_rows(comparison: Comparison) -> pd.DataFrame:
+    """The per-position-bucket rows of ``comparison.token_stats`` (not "all", not "overall"), in slice and
+    position order; an empty frame when the run scored no tokens."""
+    tokens = comparison.token_stats
+    if tokens.empty or "bucket" not in tokens:
+        return pd.DataFrame(columns=["slice", "bucket"])
+    rows = tokens[(tokens["bucket"].astype(str) != "all") & (tokens["slice"] != "overall")].copy()
+    rows["bucket"] = rows["bucket"].astype(str)
+    rows["_start"] = rows["bucket"].map(bucket_start)
+    order = {name: index for index, name in enumerate(dict.fromkeys(rows["slice"]))}
+    rows["_slice"] = rows["slice"].map(order)
+    return rows.sort_values(["_slice", "_start"]).drop(columns=["_slice", "_start"]).reset_index(drop=True)
+
+
+def kl_by_position(comparison: Comparison) -> pd.DataFrame:
+    """One row per (slice, position bucket): tokens, KL mean ± SE, top-1 agreement, PPL ratio."""
+    rows = position_rows(comparison)
+    out = []
+    for row in rows.to_dict("records"):
+        out.append({"slice": row["slice"], "positions": row["bucket"], "tokens": count(row.get("n_tokens")),
+                    "KL mean ± SE": pm(row.get("kl_mean"), row.get("kl_se")),
+                    "KL p99": num(row.get("kl_p99"), ".4f"),
+                    "top-1 agree": pm(row.get("top1_agree"), row.get("top1_agree_se"), ".3f"),
+                    "PPL ratio": num(row.get("ppl_ratio"), ".4f")})
+    return pd.DataFrame(out, columns=["slice", "positions", "tokens", "KL mean ± SE", "KL p99", "top-1 agree",
+                                      "PPL ratio"])
+
+
+def _markdown_or_none(table: pd.DataFrame) -> str:
+    return table.to_markdown(index=False) if len(table) else "(no per-position token statistics in this run)"
+
+
+def plot_kl_by_position(comparison: Comparison, path: Path | str, *, title: str | None = None) -> Path | None:
+    """PNG of mean KL(ref‖quant) by position bucket, one line per slice, ± SE bars where the SE is known.
+
+    The y axis is logarithmic when every plotted mean is positive (slices differ by orders of
+    magnitude), else linear. Returns the path, or None (and writes nothing) when there are no
+    per-position rows to plot.
+    """
+    rows = position_rows(comparison)
+    if rows.empty or "kl_mean" not in rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(sorted(rows["bucket"], key=bucket_start)))
+    where = {label: index for index, label in enumerate(labels)}
+    fig, ax = plt.subplots(figsize=(7, 4))
+    means = []
+    for name, group in rows.groupby("slice", sort=False):
+        x = [where[b] for b in group["bucket"]]
+        y = group["kl_mean"].astype(float).tolist()
+        se = group["kl_se"].astype(float).tolist() if "kl_se" in group else [math.nan] * len(y)
+        err = [0.0 if not math.isfinite(e) else e for e in se]
+        lower = [min(e, m * 0.999) if m > 0 else e for e, m in zip(err, y)]  # keep bars above zero on a log axis
+        ax.errorbar(x, y, yerr=[lower, err], marker="o", capsize=3, label=str(name))
+        means.extend(y)
+    if means and all(m > 0 for m in means):
+        ax.set_yscale("log")
+    ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
+    ax.set_xlabel("token position in the text")
+    ax.set_ylabel("mean KL(ref ‖ quant), nats")
+    ax.set_title(title or "KL by position (± SE)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

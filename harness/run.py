@@ -280,7 +280,9 @@ def write_analysis(directory: Path, cfg: RunConfig, comparison: summary.Comparis
     _write_parquet(comparison.token_stats, directory / "token_stats.parquet")
     _write_parquet(comparison.generation, directory / "generation.parquet")
     decode_floor(quant_report, cfg).to_csv(directory / "decode_floor.csv", index=False)
-    markdown = report.markdown(comparison, result)
+    kl_plot = report.plot_kl_by_position(comparison, directory / "kl_by_position.png",
+                                         title=f"{cfg.model.name} · {cfg.quant.name}: KL(ref‖quant) by position")
+    markdown = report.markdown(comparison, result, kl_plot=kl_plot.name if kl_plot else None)
     capacity_ledger.write_csv(directory / "ledger.csv")
     markdown += "\n" + capacity_ledger.markdown()
     if long_generation is not None:

@@ -380,3 +380,33 @@ def test_compare_package_imports_one_way():
     assert "harness.formatting" in report_imports
     assert not any(name.startswith("harness.compare") for name in report_imports)
     assert all("harness.formatting" in graph[m] for m in ("harness.compare.render.tables",))
+
+
+def test_long_generation_survival_curves_are_compared_across_runs(tmp_path):
+    """Runs that hold a long-generation survival table get one curve each in the comparison."""
+    import json as _json
+
+    import pandas as _pd
+
+    from harness.compare import CompareOptions, analyse, load_results_dir
+    from harness.compare.output import write_report
+
+    runs = []
+    for scheme, values in (("int4", [0.5, 0.25, 0.0]), ("int8", [1.0, 0.75, 0.5])):
+        directory = tmp_path / scheme
+        directory.mkdir()
+        (directory / "summary.json").write_text(_json.dumps({"model": "m", "scheme": scheme, "slices": ["lg"],
+                                                             "quant": {"bits_per_weight": 4.0}}))
+        _pd.DataFrame({"item_id": ["a", "b"], "slice": "lg", "task": "t", "sub_slice": "s", "cluster": ["a", "b"],
+                       "output_type": "generate_until", "target": "", "correct_ref": [1.0, 0.0],
+                       "correct_quant": [1.0, 0.0], "response_ref": "x", "response_quant": "x"}
+                      ).to_parquet(directory / "items.parquet")
+        _pd.DataFrame({"position": [1, 8, 16], "survival": values}).to_parquet(
+            directory / "long_generation_survival.parquet")
+        runs.append(load_results_dir(directory))
+    report = analyse(runs, CompareOptions(n_resamples=1000))
+    assert sorted(report.survival["label"].unique()) == sorted(report.labels)
+    assert report.survival.groupby("label")["survival"].max().max() == 1.0
+    written = write_report(report, tmp_path / "out")
+    assert (tmp_path / "out" / "long_generation_survival.png").stat().st_size > 1000
+    assert "long_generation_survival" in written

@@ -9,6 +9,8 @@ divergence is read from each run.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -39,6 +41,7 @@ class ComparisonReport:
     token_stats: pd.DataFrame
     generation: pd.DataFrame
     tokens: pd.DataFrame
+    survival: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)  # label, position, survival
 
     @property
     def labels(self) -> list[str]:
@@ -88,7 +91,7 @@ def analyse(runs: Sequence[RunData], options: CompareOptions) -> ComparisonRepor
     _assign_labels(runs)
     settings = CompareConfig(n_resamples=options.n_resamples, ci_level=options.ci_level, seed=options.seed,
                              margin=options.margin, correction="none")
-    item_parts, token_parts, kl_parts, gen_parts, run_rows = [], [], [], [], []
+    item_parts, token_parts, kl_parts, gen_parts, survival_parts, run_rows = [], [], [], [], [], []
     for run in runs:
         identity = {"label": run.label, "model": run.model, "scheme": run.scheme}
         run_rows.append({**identity, "run_id": run.run_id, "method": run.summary.get("method", ""),
@@ -101,6 +104,8 @@ def analyse(runs: Sequence[RunData], options: CompareOptions) -> ComparisonRepor
             kl_parts.append(run.tokens[columns].assign(label=run.label))
         if not run.generation.empty:
             gen_parts.append(run.generation.assign(**identity))
+        if not run.survival.empty:
+            survival_parts.append(run.survival.assign(label=run.label))
     item_stats = pd.concat(item_parts, ignore_index=True)
     item_stats["mcnemar_p_adj"] = stats.adjust_pvalues(item_stats["mcnemar_p"].to_numpy(float), options.correction)
     item_stats["significant"] = item_stats["mcnemar_p_adj"] < options.alpha
@@ -111,6 +116,7 @@ def analyse(runs: Sequence[RunData], options: CompareOptions) -> ComparisonRepor
         token_stats=_concat(token_parts, ["label", "slice", "bucket"]),
         generation=_concat(gen_parts, ["label", "slice", "identical_rate", "first_diff_mean"]),
         tokens=_concat(kl_parts, ["label", "slice", "position", "kl"]),
+        survival=_concat(survival_parts, ["label", "position", "survival"]),
     )
 
 

@@ -24,7 +24,7 @@ __all__ = ["COMPARISON_KIND", "KIND_TAG", "RunData", "load_mlflow_run", "load_re
 KIND_TAG = "harness.kind"
 COMPARISON_KIND = "comparison"
 REQUIRED_ARTIFACTS = ("summary.json", "items.parquet")
-OPTIONAL_ARTIFACTS = ("config.json", "tokens.parquet", "generation.parquet")
+OPTIONAL_ARTIFACTS = ("config.json", "tokens.parquet", "generation.parquet", "long_generation_survival.parquet")
 
 
 @dataclass
@@ -37,6 +37,7 @@ class RunData:
     tokens: pd.DataFrame
     generation: pd.DataFrame
     config: dict[str, Any] = field(default_factory=dict)
+    survival: pd.DataFrame = field(default_factory=pd.DataFrame)  # long generation: position, survival
     source: str = ""
     label: str = ""  # filled in by ``analyse`` (unique across the compared runs)
 
@@ -74,6 +75,7 @@ def load_results_dir(directory: str | Path) -> RunData:
         generation=_read_table(directory / "generation.parquet"),
         config=json.loads(config_path.read_text()) if config_path.exists() else {},
         source=str(directory),
+        survival=_read_table(directory / "long_generation_survival.parquet"),
     )
 
 

@@ -17,7 +17,8 @@ from matplotlib.figure import Figure
 
 from harness.compare.analysis import ComparisonReport
 
-__all__ = ["accuracy_vs_bits", "flip_bars", "forest", "kl_by_position", "kl_cdf", "render_all"]
+__all__ = ["accuracy_vs_bits", "flip_bars", "forest", "kl_by_position", "kl_cdf", "long_generation_survival",
+           "render_all"]
 
 KL_FLOOR = 1e-6  # KL of identical distributions is 0; a log axis needs a floor
 MAX_CDF_POINTS = 2000  # per curve; ranks are subsampled evenly, the curve's shape is kept
@@ -199,6 +200,28 @@ def accuracy_vs_bits(headline: pd.DataFrame, runs: pd.DataFrame) -> Figure | Non
     return fig
 
 
+def long_generation_survival(survival: pd.DataFrame, labels: list[str]) -> Figure | None:
+    """Fraction of long-generation replies still identical to the reference's at token t, per scheme."""
+    if survival.empty:
+        return None
+    fig = Figure(figsize=(6, 3.5))
+    ax = fig.add_subplot(1, 1, 1)
+    colours = _colours(labels)
+    for label in labels:
+        curve = survival[survival["label"] == label]
+        if not curve.empty:
+            ax.plot(curve["position"], curve["survival"], marker="o", label=label, color=colours[label])
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel("generated token t")
+    ax.set_ylabel("replies identical to the reference up to t")
+    ax.set_title("Long generation: survival of the reference's reply")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 def render_all(report: ComparisonReport, out_dir: Path) -> dict[str, Path]:
     """Draw every applicable plot into ``out_dir``; returns plot name -> PNG path (in display order)."""
     labels = report.labels
@@ -217,6 +240,7 @@ def render_all(report: ComparisonReport, out_dir: Path) -> dict[str, Path]:
     figures["kl_cdf"] = kl_cdf(report.tokens, labels)
     figures["kl_by_position"] = kl_by_position(report.token_stats, labels)
     figures["accuracy_vs_bits"] = accuracy_vs_bits(headline, report.runs)
+    figures["long_generation_survival"] = long_generation_survival(report.survival, labels)
     out: dict[str, Path] = {}
     for name, fig in figures.items():
         if fig is None:

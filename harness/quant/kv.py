@@ -149,15 +149,16 @@ def fake_quantize_kv(x: Tensor, spec: TensorQuantConfig, *, positions: Tensor | 
     return _apply_scale(x.float(), spec, scale, zero).to(x.dtype)
 
 
-def full_precision_masks(positions: Tensor, query_len: int, cfg: KVCacheQuantConfig
-                         ) -> tuple[Tensor | None, Tensor | None]:
+def full_precision_masks(positions: Tensor, query_len: int, cfg: KVCacheQuantConfig, *, start: int = 0,
+                         stop: int | None = None) -> tuple[Tensor | None, Tensor | None]:
     """Which (query, key) pairs read the key / the value in full precision: ``[batch, queries, keys]``.
 
-    Queries are the last ``query_len`` positions. A pair is full precision when the key is among the
-    query's ``residual_length`` most recent tokens, and for per-channel keys also when the key's group
-    is not complete at the query's position. None: every pair reads the quantized tensor.
+    Queries are the last ``query_len`` positions (only ``start:stop`` of them when given, so a long
+    prefill builds these masks one chunk of queries at a time). A pair is full precision when the key
+    is among the query's ``residual_length`` most recent tokens, and for per-channel keys also when
+    the key's group is not complete at the query's position. None: every pair reads the quantized tensor.
     """
-    query_pos = positions[:, positions.shape[1] - query_len:]
+    query_pos = positions[:, positions.shape[1] - query_len:][:, start:stop]
     distance = query_pos[:, :, None] - positions[:, None, :]
     recent = distance < cfg.residual_length if cfg.residual_length > 0 else None
     key_fp = recent
@@ -207,18 +208,36 @@ def _base_attention(base_name: str, module: nn.Module) -> Callable[..., tuple[Te
 
 
 def _allowed_pairs(mask: Tensor | None, module: nn.Module, batch: int, q_len: int, k_len: int,
-                   device: torch.device) -> Tensor:
-    """Boolean ``[batch, queries, keys]``: which pairs the base attention lets through."""
+                   device: torch.device, *, start: int = 0, stop: int | None = None) -> Tensor:
+    """Boolean ``[batch, queries, keys]``: which pairs the base attention lets through (queries
+    ``start:stop`` of the ``q_len`` when given)."""
+    stop = q_len if stop is None else stop
     if mask is None:
         if not getattr(module, "is_causal", True):
-            return torch.ones(batch, q_len, k_len, dtype=torch.bool, device=device)
-        query_pos = torch.arange(k_len - q_len, k_len, device=device)
-        return (torch.arange(k_len, device=device)[None, :] <= query_pos[:, None]).expand(batch, q_len, k_len)
+            return torch.ones(batch, stop - start, k_len, dtype=torch.bool, device=device)
+        query_pos = torch.arange(k_len - q_len + start, k_len - q_len + stop, device=device)
+        return (torch.arange(k_len, device=device)[None, :] <= query_pos[:, None]).expand(batch, stop - start, k_len)
     if mask.shape[-1] != k_len or mask.shape[-2] != q_len:
         raise SchemeError(f"attention mask {tuple(mask.shape)} does not match {q_len} queries x {k_len} keys; "
                           "KV-cache quantization supports dynamic caches only (not StaticCache)")
-    allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
-    return allowed.any(dim=1).expand(batch, q_len, k_len) if allowed.ndim == 4 else allowed
+    rows = mask[..., start:stop, :]
+    allowed = rows if rows.dtype == torch.bool else rows > torch.finfo(rows.dtype).min / 2
+    return allowed.any(dim=1).expand(batch, stop - start, k_len) if allowed.ndim == 4 else allowed
+
+
+def _query_chunk(k_len: int) -> int:
+    """Queries per chunk of a multi-query pass: ~2M (query, key) pairs per batch row, at least 64."""
+    return max(64, 2 ** 21 // max(k_len, 1))
+
+
+def _valid_keys(mask: Tensor | None, module: nn.Module, batch: int, q_len: int, k_len: int,
+                device: torch.device) -> Tensor:
+    """``[batch, keys]``: keys some query may read (padding stays out of statistics), chunk by chunk."""
+    valid = torch.zeros(batch, k_len, dtype=torch.bool, device=device)
+    for start in range(0, q_len, _query_chunk(k_len)):
+        stop = min(start + _query_chunk(k_len), q_len)
+        valid |= _allowed_pairs(mask, module, batch, q_len, k_len, device, start=start, stop=stop).any(dim=1)
+    return valid
 
 
 def _key_positions(position_ids: Tensor | None, batch: int, k_len: int, device: torch.device) -> Tensor:
@@ -230,18 +249,22 @@ def _key_positions(position_ids: Tensor | None, batch: int, k_len: int, device: 
     return (last - (k_len - 1) + steps[None, :]).expand(batch, k_len)
 
 
-def _attend_mixed(base: Callable, module: nn.Module, query: Tensor, copies: list[tuple[Tensor, Tensor, Tensor]],
-                  mask: Tensor | None, float_mask: bool, kwargs: dict[str, Any]) -> Tensor:
-    """Attention over concatenated (keys, values, pair selection) copies; each pair is admitted once."""
+def _attend_mixed(base: Callable, module: nn.Module, query: Tensor,
+                  copies: Callable[[int, int], list[tuple[Tensor, Tensor, Tensor]]],
+                  mask: Tensor | None, float_mask: bool, kwargs: dict[str, Any], k_len: int) -> Tensor:
+    """Attention over concatenated (keys, values, pair selection) copies; each pair is admitted once.
+
+    ``copies(start, stop)`` gives the copies with their selections for queries ``start:stop`` only,
+    so the ``[batch, queries, keys]`` masks of a long prefill never exist whole: temporary memory is
+    bounded by the chunk (~2M pairs per batch row), not by queries × keys.
+    """
     q_len = query.shape[2]
-    k_len = copies[0][0].shape[2]
-    chunk = max(64, 2 ** 21 // max(k_len, 1))
+    chunk = _query_chunk(k_len)
     outputs = []
     for start in range(0, q_len, chunk):
         stop = min(start + chunk, q_len)
         keys, values, masks = [], [], []
-        for key, value, select in copies:
-            sel = select[:, start:stop]
+        for key, value, sel in copies(start, stop):
             columns = sel.any(dim=(0, 1)).nonzero()
             if columns.numel() == 0:
                 continue
@@ -270,33 +293,41 @@ def _make_wrapper(base_name: str, float_mask: bool) -> Callable[..., tuple[Tenso
             return base(module, query, key, value, attention_mask, **kwargs)
         batch, _, k_len, _ = key.shape
         q_len = query.shape[2]
-        allowed = _allowed_pairs(attention_mask, module, batch, q_len, k_len, key.device)
-        valid = allowed.any(dim=1)  # keys some query may read: padding stays out of the statistics
+        valid = _valid_keys(attention_mask, module, batch, q_len, k_len, key.device)
         if state.mode == "observe":
             state.observe(key, value, valid)
             return base(module, query, key, value, attention_mask, **kwargs)
         positions = _key_positions(kwargs.get("position_ids"), batch, k_len, key.device)
         key_q = state.quantize("keys", key, positions, valid)
         value_q = state.quantize("values", value, positions, valid)
-        key_fp, value_fp = full_precision_masks(positions, q_len, state.cfg)
-        if key_fp is None and value_fp is None:
+        cfg = state.cfg
+        has_key_fp = cfg.keys is not None and (cfg.residual_length > 0 or cfg.keys.granularity == "channel")
+        has_value_fp = cfg.values is not None and cfg.residual_length > 0
+        if not has_key_fp and not has_value_fp:
             return base(module, query, key_q, value_q, attention_mask, **kwargs)
         if q_len == 1:  # one query: each key has one version, no copies needed
+            key_fp, value_fp = full_precision_masks(positions, q_len, cfg)
             if key_fp is not None:
                 key_q = torch.where(key_fp[:, None, 0, :, None], key, key_q)
             if value_fp is not None:
                 value_q = torch.where(value_fp[:, None, 0, :, None], value, value_q)
             return base(module, query, key_q, value_q, attention_mask, **kwargs)
-        copies = []
-        for key_full in ((False, True) if key_fp is not None else (False,)):
-            for value_full in ((False, True) if value_fp is not None else (False,)):
-                select = allowed if attention_mask is None else torch.ones_like(allowed)
-                if key_fp is not None:
-                    select = select & (key_fp == key_full)
-                if value_fp is not None:
-                    select = select & (value_fp == value_full)
-                copies.append((key if key_full else key_q, value if value_full else value_q, select))
-        return _attend_mixed(base, module, query, copies, attention_mask, float_mask, kwargs), None
+
+        def copies(start: int, stop: int) -> list[tuple[Tensor, Tensor, Tensor]]:
+            allowed = _allowed_pairs(attention_mask, module, batch, q_len, k_len, key.device, start=start, stop=stop)
+            key_fp, value_fp = full_precision_masks(positions, q_len, cfg, start=start, stop=stop)
+            out = []
+            for key_full in ((False, True) if key_fp is not None else (False,)):
+                for value_full in ((False, True) if value_fp is not None else (False,)):
+                    select = allowed if attention_mask is None else torch.ones_like(allowed)
+                    if key_fp is not None:
+                        select = select & (key_fp == key_full)
+                    if value_fp is not None:
+                        select = select & (value_fp == value_full)
+                    out.append((key if key_full else key_q, value if value_full else value_q, select))
+            return out
+
+        return _attend_mixed(base, module, query, copies, attention_mask, float_mask, kwargs, k_len), None
 
     kv_quant_attention.__name__ = f"{WRAPPER_PREFIX}{base_name}"
     return kv_quant_attention

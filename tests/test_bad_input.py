@@ -44,7 +44,7 @@ def test_cfg_job_prints_the_resolved_config(tmp_path):
 
 def test_group_size_that_does_not_divide_is_refused_before_evaluation(make_cfg, monkeypatch):
     calls = []
-    monkeypatch.setattr(run_mod, "compute_reference", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(run_mod, "reference_unless_busy", lambda *a, **k: calls.append(a))
     with pytest.raises(SchemeError, match=r"group/block size 96 does not divide the input size 128"):
         run_mod.run(make_cfg(*TINY_MATH, "quant=int4_g128", "quant.weights.group_size=96"))
     assert calls == []  # nothing was evaluated
@@ -89,7 +89,7 @@ def test_unwritable_results_dir_is_refused_before_evaluation(make_cfg, tmp_path,
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     calls = []
-    monkeypatch.setattr(run_mod, "compute_reference", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(run_mod, "reference_unless_busy", lambda *a, **k: calls.append(a))
     with pytest.raises(PermissionError, match="paths.results_dir"):
         run_mod.run(make_cfg(*TINY_MATH, "quant=int8", f"paths.results_dir={blocker}/sub"))
     assert calls == []

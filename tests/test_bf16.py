@@ -28,9 +28,10 @@ import pandas as pd
 import pytest
 import torch
 
-from harness import divergence, models
+from harness import divergence, identity, models
 from harness import run as run_mod
 from harness.config import compose
+from harness.slices import resolve
 
 SCHEMES = ["int4_g128", "fp8", "nvfp4", "gptq_w4g128", "awq_w4g128", "int8_w8a8_sq", "kv8"]
 TINY = ["model=tiny_random", "slices=[math]", "slices.math.n_items=18", "slices.math.divergence_texts=4"]
@@ -68,12 +69,12 @@ def tiny_runs(tmp_path_factory, shared_model_cache):
 def bf16_floor(tiny_runs) -> float:
     """Mean KL(fp32 tiny_random || bf16 tiny_random) on the math slice's divergence texts."""
     cache_dir = tiny_runs["root"] / "cache"
-    cfg = run_mod.to_config(compose([*TINY, "quant=none", f"paths.cache_dir={cache_dir}"]))
+    cfg = identity.to_config(compose([*TINY, "quant=none", f"paths.cache_dir={cache_dir}"]))
     fp32 = models.load(cfg.model, cache_dir)
     cfg.model.dtype = "bfloat16"
     bf16 = models.load(cfg.model, cache_dir)
-    slice_ = run_mod.resolve(cfg.slices)[0]
-    texts = run_mod.divergence_texts(slice_, cfg, run_mod.eval_settings(cfg, run_mod.tokenizer_dir(fp32, cfg)))
+    slice_ = resolve(cfg.slices)[0]
+    texts = identity.divergence_texts(slice_, cfg, identity.eval_settings(cfg, identity.tokenizer_dir(fp32)))
     reference = divergence.score_reference(fp32.model, fp32.tokenizer, texts, max_tokens=1024, store="logprobs")
     return float(divergence.compare_to_reference(bf16.model, reference, "math")["kl"].mean())
 

@@ -56,7 +56,7 @@ def test_split_run_matches_the_unsplit_run_item_for_item(make_cfg, tmp_path, sch
 def test_weight_scheme_on_offloaded_weights_is_refused_before_the_reference(make_cfg, monkeypatch):
     def never(*args, **kwargs):
         raise AssertionError("the reference was computed before the placement was checked")
-    monkeypatch.setattr(run_mod, "compute_reference", never)
+    monkeypatch.setattr(run_mod, "reference_unless_busy", never)
     with pytest.raises(PlacementError, match="offloaded.*cannot rewrite"):
         run_mod.run(make_cfg(*TINY_MATH, "quant=int4_g128", "tracking.enabled=false", *SPLIT))
 

@@ -224,7 +224,7 @@ def test_some_sub_slice_discriminates_on_smollm2() -> None:
 
     cfg = to_config(compose(["model=smollm2_135m", "slices=[long_context]", "eval.batch_size=1"]))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)
-    settings = eval_settings(cfg, model_tokenizer_dir(loaded, cfg))
+    settings = eval_settings(cfg, model_tokenizer_dir(loaded))
     (slice_,) = resolve(cfg.slices)
     records, _ = evaluate.evaluate_slice(evaluate.make_lm(loaded.model, loaded.tokenizer, settings), slice_, settings)
     accuracy = records.groupby("sub_slice")["correct"].mean()

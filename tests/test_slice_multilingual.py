@@ -188,7 +188,7 @@ def test_some_language_discriminates_on_gemma() -> None:
 
     cfg = to_config(compose(["model=gemma3_270m", "slices=[multilingual]"]))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)
-    settings = eval_settings(cfg, tokenizer_dir(loaded, cfg))
+    settings = eval_settings(cfg, tokenizer_dir(loaded))
     (slice_,) = resolve(cfg.slices)
     records, _ = evaluate.evaluate_slice(evaluate.make_lm(loaded.model, loaded.tokenizer, settings), slice_, settings)
     accuracy = records.groupby("sub_slice")["correct"].mean()

@@ -198,15 +198,16 @@ def score_reference(model: nn.Module, tokenizer: Any, texts: list[str], *, max_t
         live_head = OutputHead.of(model)
         target_logp, top1, full, top_ids, top_logp = [], [], [], [], []
         for a, b in _chunks(len(hidden)):
-            logp = live_head.log_probs(hidden[a:b]).cpu()
-            target_logp.append(logp.gather(-1, targets[a:b, None])[:, 0])
-            top1.append(logp.argmax(-1))
+            logp = live_head.log_probs(hidden[a:b])  # stays on the head's device: only what is stored moves
+            chunk_targets = targets[a:b, None].to(logp.device)
+            target_logp.append(logp.gather(-1, chunk_targets)[:, 0].cpu())
+            top1.append(logp.argmax(-1).cpu())
             if store == "logprobs":
-                full.append(logp)
+                full.append(logp.cpu())
             elif store == "topk":
                 values, indices = logp.topk(min(topk, logp.shape[-1]), dim=-1)
-                top_ids.append(indices.int())
-                top_logp.append(values)
+                top_ids.append(indices.int().cpu())
+                top_logp.append(values.cpu())
         out.append(ReferenceText(
             ids, torch.cat(target_logp), torch.cat(top1),
             torch.cat(full) if full else None,

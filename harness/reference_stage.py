@@ -141,3 +141,17 @@ def load_reference_texts(path: Path, cache: Cache, model_key: str) -> list[diver
         head = torch.load(cache.entry("heads", model_key) / "head.pt", weights_only=False)
         texts = [dataclasses.replace(t, head=head if t.hidden is not None else None) for t in texts]
     return texts
+
+
+def share_heads(references: dict[str, SliceReference]) -> dict[str, SliceReference]:
+    """One frozen output head for every slice of a run (they all hold copies of the same model's head).
+
+    The comparison moves the frozen head to the device of the quantized model's head; shared, it is
+    moved (and held there) once per run instead of once per slice (~5 GB each at 8B, bf16).
+    """
+    head = next((t.head for r in references.values() for t in r.texts if t.head is not None), None)
+    if head is None:
+        return references
+    return {name: dataclasses.replace(ref, texts=[dataclasses.replace(t, head=head) if t.head is not None else t
+                                                  for t in ref.texts])
+            for name, ref in references.items()}

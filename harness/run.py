@@ -30,7 +30,7 @@ from harness import (candidate, cli, devices, divergence, evaluate, gate, ledger
 from harness.cache import Cache, atomic_write_json, atomic_write_text
 from harness.config import RunConfig
 from harness.identity import check_backend, config_dict, eval_settings, run_key, run_name, to_config, tokenizer_dir
-from harness.reference_stage import SliceReference, deferred_references, reference_unless_busy
+from harness.reference_stage import SliceReference, deferred_references, reference_unless_busy, share_heads
 from harness.runtime import apply_threads
 from harness.slices import Slice, check_hub_for_registry, resolve
 
@@ -132,6 +132,7 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
         with timings.stage("reference_wait"):
             references.update(deferred_references(loaded, deferred, cfg, cache))
         references = {s.name: references[s.name] for s in checked.slices}
+    references = share_heads(references)  # the frozen head lives once per run, not once per slice
     with timings.stage("divergence"):
         tokens = pd.concat([divergence.compare_to_reference(loaded.model, references[s.name].texts, s.name)
                             for s in checked.slices], ignore_index=True)

@@ -204,3 +204,25 @@ def test_head_check_catches_a_wrong_head(models, dtype, wrong, monkeypatch):
         monkeypatch.setattr(divergence.OutputHead, "of", staticmethod(perturbed))
     with pytest.raises(RuntimeError, match="reference_store=logprobs"):
         score_reference(reference, CharTokenizer(), TEXTS, max_tokens=512, store="hidden")
+
+
+def test_every_slice_of_a_run_shares_one_frozen_head(make_cfg):
+    """The frozen reference head is held (and moved to the device) once per run, not once per slice."""
+    from harness import models
+    from harness.cache import Cache
+    from harness.identity import to_config
+    from harness.reference_stage import compute_reference, share_heads
+    from harness.slices import resolve
+
+    cfg = to_config(make_cfg("model=tiny_random", "slices=[math,structured]", "slices.math.n_items=4",
+                             "slices.structured.n_items=4", "slices.math.divergence_texts=2",
+                             "slices.structured.divergence_texts=2"))
+    loaded = models.load(cfg.model, cfg.paths.cache_dir)
+    cache = Cache(cfg.paths.cache_dir)
+    references = {s.name: compute_reference(loaded, s, cfg, cache) for s in resolve(cfg.slices)}
+    before = {id(t.head) for r in references.values() for t in r.texts}
+    assert len(before) == 2  # one copy per slice as computed
+    shared = share_heads(references)
+    heads = {id(t.head) for r in shared.values() for t in r.texts}
+    assert len(heads) == 1 and None not in {t.head for r in shared.values() for t in r.texts}
+    assert [len(r.texts) for r in shared.values()] == [len(r.texts) for r in references.values()]

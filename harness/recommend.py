@@ -346,25 +346,14 @@ def recommend(cfg: Any, options: RecommendOptions, overrides: list[str] | None =
 def _log_to_mlflow(directory: Path, cfg: Any, result: dict[str, Any]) -> None:
     from harness import tracking
 
-    uri = tracking.resolve_uri(cfg.tracking.uri)
-    problem = tracking.check_tracking(uri)
-    if problem:
-        log.warning("recommendation not logged to MLflow: %s", problem)
-        return
-    try:
-        import mlflow
-        mlflow.set_tracking_uri(uri)
-        mlflow.set_experiment(cfg.tracking.experiment)
-        tags = {"harness.kind": "recommend", "model": cfg.model.name, "scheme": result["recommended"]}
-        with mlflow.start_run(run_name=f"recommend/{cfg.model.name}/{result['recommended']}", tags=tags):
-            mlflow.log_params({"base_scheme": cfg.quant.name, "granularity": result["granularity"],
-                               **{f"budget.{k}": v for k, v in result["budget"].items() if v is not None}})
-            mlflow.log_metrics({k: float(result[k]) for k in ("bits_per_weight", "predicted_kl", "measured_kl",
-                                                               "measured_top1_agree")})
-            mlflow.log_artifacts(str(directory))
-    except Exception as exc:  # the files on disk are the result; tracking must not lose them
-        log.warning("recommendation MLflow logging failed (%s: %s); results are in %s", type(exc).__name__, exc,
-                    directory)
+    tracking.log_tool_run(
+        directory, uri=cfg.tracking.uri, experiment=cfg.tracking.experiment, kind="recommend",
+        run_name=f"recommend/{cfg.model.name}/{result['recommended']}",
+        tags={"model": cfg.model.name, "scheme": result["recommended"]},
+        params={"base_scheme": cfg.quant.name, "granularity": result["granularity"],
+                **{f"budget.{k}": v for k, v in result["budget"].items() if v is not None}},
+        metrics={k: float(result[k]) for k in ("bits_per_weight", "predicted_kl", "measured_kl",
+                                               "measured_top1_agree")})
 
 
 TOOL = cli.Tool(prog="python -m harness.recommend", options=RecommendOptions, run_config=True,

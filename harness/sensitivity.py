@@ -235,28 +235,16 @@ def run_sensitivity(cfg: RunConfig, granularity: Granularity = "block", n_texts:
 
 def _log_to_mlflow(directory: Path, cfg: RunConfig, summary: dict[str, Any]) -> None:
     from harness import tracking
-    uri = tracking.resolve_uri(cfg.tracking.uri)
-    problem = tracking.check_tracking(uri)
-    if problem:
-        log.warning("sensitivity not logged to MLflow: %s", problem)
-        return
-    try:
-        import mlflow
-        mlflow.set_tracking_uri(uri)
-        mlflow.set_experiment(cfg.tracking.experiment)
-        tags = {KIND_TAG: "sensitivity", "model": cfg.model.name, "scheme": cfg.quant.name,
-                **{k: str(v) for k, v in cfg.tracking.tags.items()}}
-        name = f"sensitivity/{cfg.model.name}/{cfg.quant.name}/{summary['granularity']}"
-        with mlflow.start_run(run_name=name, tags=tags):
-            mlflow.log_params({"granularity": summary["granularity"], "texts": summary["texts"],
-                               "tokens": summary["tokens"], "slices": ",".join(summary["slices"]),
-                               "method": summary["method"]})
-            mlflow.log_metrics({"all_layers/kl_mean": summary["all_layers"]["kl_mean"],
-                                "all_layers/top1_agree": summary["all_layers"]["top1_agree"],
-                                "kl_sum_of_units": summary["kl_sum_of_units"]})
-            mlflow.log_artifacts(str(directory))
-    except Exception as exc:  # a finished result on disk must survive a tracking failure
-        log.warning("sensitivity MLflow logging failed (%s: %s); results are in %s", type(exc).__name__, exc, directory)
+
+    tracking.log_tool_run(
+        directory, uri=cfg.tracking.uri, experiment=cfg.tracking.experiment, kind="sensitivity",
+        run_name=f"sensitivity/{cfg.model.name}/{cfg.quant.name}/{summary['granularity']}",
+        tags={"model": cfg.model.name, "scheme": cfg.quant.name, **cfg.tracking.tags},
+        params={"granularity": summary["granularity"], "texts": summary["texts"], "tokens": summary["tokens"],
+                "slices": ",".join(summary["slices"]), "method": summary["method"]},
+        metrics={"all_layers/kl_mean": summary["all_layers"]["kl_mean"],
+                 "all_layers/top1_agree": summary["all_layers"]["top1_agree"],
+                 "kl_sum_of_units": summary["kl_sum_of_units"]})
 
 
 @dataclass

@@ -212,6 +212,35 @@ def slice_datasets(result_dir: Path, slices: list[str], artifact_uri: str) -> li
     return inputs
 
 
+def log_tool_run(directory: Path, *, uri: str | None, experiment: str, kind: str, run_name: str,
+                 tags: Mapping[str, str], params: Mapping[str, Any], metrics: Mapping[str, float]) -> str | None:
+    """Log an auxiliary tool's finished output (``directory``) as one MLflow run tagged ``harness.kind``.
+
+    The files on disk are the result: an unreachable store or a logging failure is a warning, never an
+    error. Returns the run id, or None when nothing was logged.
+    """
+    resolved = resolve_uri(uri)
+    problem = check_tracking(resolved)
+    if problem:
+        log.warning("%s not logged to MLflow: %s", kind, problem)
+        return None
+    try:
+        import mlflow
+        from mlflow.tracking import MlflowClient
+
+        mlflow.set_tracking_uri(resolved)
+        experiment_id = ensure_experiment(MlflowClient(tracking_uri=resolved), experiment)
+        with mlflow.start_run(experiment_id=experiment_id, run_name=run_name,
+                              tags={"harness.kind": kind, **{k: str(v) for k, v in tags.items()}}) as run:
+            mlflow.log_params(dict(params))
+            mlflow.log_metrics({k: float(v) for k, v in metrics.items()})
+            mlflow.log_artifacts(str(directory))
+            return run.info.run_id
+    except Exception as exc:  # a finished result on disk must survive a tracking failure
+        log.warning("%s MLflow logging failed (%s: %s); results are in %s", kind, type(exc).__name__, exc, directory)
+        return None
+
+
 def experiment_url(uri: str, experiment_id: str, sweep_id: str | None = None) -> str:
     """The runs table of an experiment in the MLflow UI, in its classic view (one sweep with ``sweep_id``).
 

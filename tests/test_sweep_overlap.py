@@ -20,7 +20,12 @@ import pytest
 
 from harness import run as run_mod
 from harness.config import compose
-from tests.test_sweeps import TINY, harness_command, job_env, paths, summaries
+from tests.test_sweeps import TINY as SWEEP_TINY
+from tests.test_sweeps import harness_command, job_env, paths, summaries
+
+# One torch thread in every job: the serial comparison must run the same kernels (CPU matmuls
+# with another thread count sum in another order, a relative 1e-3 in the tails of the metrics).
+TINY = [*SWEEP_TINY, "runtime.threads=1"]
 
 pytestmark = pytest.mark.slow
 

@@ -177,7 +177,7 @@ def body(parsed: cli.Parsed[Options]) -> None:
     cfg = to_config(parsed.run)
     slices = resolve(cfg.slices)
     loaded = models.load(cfg.model, cfg.paths.cache_dir)
-    settings = eval_settings(cfg, tokenizer_dir(loaded, cfg))
+    settings = eval_settings(cfg, tokenizer_dir(loaded))
     lm = evaluate.make_lm(loaded.model, loaded.tokenizer, settings)
     out = Path(options.out)
     merged = json.loads(out.read_text()) if out.exists() else {}

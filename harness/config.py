@@ -187,6 +187,9 @@ class EvalConfig:
     # hf: both sides through lm-eval's HFLM on the loaded model | vllm: through lm-eval's vLLM backend on the
     # checkpoints (model.path and candidate.path; quant=external), the same engine a deployment serves with
     backend: str = "hf"
+    # Greedy generation with backend=hf: harness (rows leave the batch as they finish; same replies, a
+    # fraction of the decode steps on a CPU: harness.generation) | hf (HF generate, as lm-eval runs it)
+    generator: str = "harness"
     position_buckets: list[int] = field(default_factory=lambda: [0, 128, 512, 1024, 2048, 4096, 8192])
 
 

@@ -34,9 +34,11 @@ class EvalSettings:
     seed: int = 1234
     tokenizer_path: str | None = None
     backend: str = "hf"  # hf: the loaded model through HFLM | vllm: the checkpoint on disk through lm-eval's VLLM
+    generator: str = "harness"  # greedy decoding: harness.generation (rows leave as they finish) | hf (generate)
 
 
 BACKENDS = ("hf", "vllm")
+GENERATORS = ("harness", "hf")
 
 
 def make_lm(model: Any, tokenizer: Any, settings: EvalSettings, *, checkpoint: str | None = None):
@@ -53,8 +55,63 @@ def make_lm(model: Any, tokenizer: Any, settings: EvalSettings, *, checkpoint: s
                     dtype="auto", gpu_memory_utilization=0.85)
     from lm_eval.models.huggingface import HFLM
 
-    return HFLM(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size,
-                max_length=settings.max_length, device=settings.device)
+    cls = _harness_hflm() if settings.generator == "harness" else HFLM
+    return cls(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size,
+               max_length=settings.max_length, device=settings.device)
+
+
+def _harness_hflm() -> type:
+    """HFLM whose greedy ``generate_until`` batches decode with :func:`harness.generation.greedy_generate`.
+
+    lm-eval keeps everything else: request order and batches, prompt encoding and truncation,
+    stop strings (with the EOS text added), cutting replies at them, and the request cache.
+    Sampling or beam requests go to HF ``generate`` as before. Log-likelihood requests that share
+    a context (the choices of a multiple-choice item) run the context once
+    (:func:`harness.generation.shared_context_logprobs`); the rest go through lm-eval's batches.
+    """
+    from lm_eval.models.huggingface import HFLM
+
+    from harness.generation import greedy_generate, shared_context_logprobs
+
+    class HarnessHFLM(HFLM):
+        def _loglikelihood_tokens(self, requests, disable_tqdm=False, override_bs=None):
+            if self.backend != "causal":
+                return super()._loglikelihood_tokens(requests, disable_tqdm, override_bs)
+            groups: dict[tuple[int, ...], list[int]] = {}
+            for i, (_, context, continuation) in enumerate(requests):
+                groups.setdefault(tuple(context), []).append(i)
+            results: list = [None] * len(requests)
+            rest: list[int] = []
+            for context, members in groups.items():
+                longest = len(context) + max(len(requests[i][2]) for i in members)
+                if len(members) < 2 or len(context) < 2 or longest > self.max_length or \
+                        any(not requests[i][2] for i in members):
+                    rest.extend(members)  # lm-eval's own path (it truncates over-long inputs)
+                    continue
+                answers = shared_context_logprobs(self.model, list(context), [requests[i][2] for i in members],
+                                                  pad_token_id=self.tokenizer.pad_token_id or 0, device=self.device,
+                                                  softmax_dtype=self.softmax_dtype)
+                for i, answer in zip(members, answers):
+                    results[i] = answer
+                    if requests[i][0] is not None:
+                        self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
+            if rest:
+                for i, answer in zip(rest, super()._loglikelihood_tokens([requests[i] for i in rest], disable_tqdm,
+                                                                         override_bs)):
+                    results[i] = answer
+            return results
+
+        def _model_generate(self, context, max_length, stop, **generation_kwargs):
+            greedy = not generation_kwargs.get("do_sample") and generation_kwargs.get("num_beams", 1) == 1
+            mask = generation_kwargs.get("attention_mask")
+            known = {"attention_mask", "do_sample", "temperature", "num_beams"}
+            if not greedy or mask is None or set(generation_kwargs) - known or self.backend != "causal":
+                return super()._model_generate(context, max_length, stop, **generation_kwargs)
+            return greedy_generate(self.model, context, mask, max_new_tokens=max_length - context.shape[1],
+                                   pad_token_id=self.tokenizer.pad_token_id, stop=[s for s in stop if s],
+                                   decode=lambda ids: self.tok_decode(ids, skip_special_tokens=False))
+
+    return HarnessHFLM
 
 
 def check_vllm() -> None:

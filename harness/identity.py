@@ -39,13 +39,16 @@ def eval_settings(cfg: RunConfig, tokenizer_path: str | None) -> evaluate.EvalSe
     """The lm-eval settings of a job (batch size falls back to the model's)."""
     return evaluate.EvalSettings(batch_size=cfg.eval.batch_size or cfg.model.batch_size, max_length=cfg.model.max_length,
                                  device=cfg.model.device, chat_template=cfg.model.chat_template, seed=cfg.eval.seed,
-                                 tokenizer_path=tokenizer_path, backend=cfg.eval.backend)
+                                 tokenizer_path=tokenizer_path, backend=cfg.eval.backend,
+                                 generator=cfg.eval.generator)
 
 
 def check_backend(cfg: RunConfig) -> None:
     """eval.backend=vllm serves checkpoints: the reference's and an external candidate's (before any work)."""
     from harness.cli import UsageError
 
+    if cfg.eval.generator not in evaluate.GENERATORS:
+        raise UsageError(f"eval.generator={cfg.eval.generator!r}: use one of {list(evaluate.GENERATORS)}")
     if cfg.eval.backend not in evaluate.BACKENDS:
         raise UsageError(f"eval.backend={cfg.eval.backend!r}: use one of {list(evaluate.BACKENDS)}")
     if cfg.eval.backend != "vllm":
@@ -81,6 +84,7 @@ def reference_key(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig) -> 
     settings = {"chat_template": cfg.model.chat_template, "max_length": cfg.model.max_length, "seed": cfg.eval.seed,
                 "divergence_max_tokens": cfg.eval.divergence_max_tokens, "store": cfg.eval.reference_store,
                 "topk": cfg.eval.reference_topk, **({"backend": cfg.eval.backend} if cfg.eval.backend != "hf" else {}),
+                "generator": cfg.eval.generator,
                 "lm_eval": _version("lm_eval"), "transformers": _version("transformers"), "device": cfg.model.device}
     return stable_hash({"model": loaded.identity, "slice": slice_identity(slice_), "settings": settings}, 24)
 

@@ -1,0 +1,125 @@
+"""harness.generation against HF generate: the same replies, fewer rows decoded."""
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+from lm_eval.models.utils import postprocess_generated_text
+
+from harness import evaluate, identity, models
+from harness.generation import greedy_generate
+from harness.slices import resolve
+
+TINY = ["model=tiny_random", "slices=[math]", "slices.math.n_items=18", "slices.math.divergence_texts=4",
+        "slices.math.tasks=[harness_math_gen,harness_math_mc]", "quant=none"]
+
+
+@pytest.fixture
+def tiny(make_cfg):
+    cfg = identity.to_config(make_cfg(*TINY))
+    loaded = models.load(cfg.model, cfg.paths.cache_dir)
+    return cfg, loaded
+
+
+def _batch(tokenizer, lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded random prompts of the given lengths (ids from the tokenizer's ordinary range)."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    pad = tokenizer.pad_token_id
+    ids = torch.full((len(lengths), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(lengths), width), dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids[row, width - n:] = torch.randint(10, 200, (n,), generator=gen)
+        mask[row, width - n:] = 1
+    return ids, mask
+
+
+def _hf(model, ids, mask, new_tokens, pad, eos):
+    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                          pad_token_id=pad, eos_token_id=sorted(eos) or None)
+
+
+def test_greedy_generate_is_hf_generate_without_stops(tiny):
+    _, loaded = tiny
+    model, tok = loaded.model, loaded.tokenizer
+    ids, mask = _batch(tok, [5, 12, 9, 3])
+    expected = _hf(model, ids, mask, 16, tok.pad_token_id, set())
+    got = greedy_generate(model, ids, mask, max_new_tokens=16, pad_token_id=tok.pad_token_id, eos_token_ids=set())
+    assert torch.equal(got, expected)
+
+
+def test_rows_that_stop_early_give_the_same_replies_and_leave_the_batch(tiny):
+    _, loaded = tiny
+    model, tok = loaded.model, loaded.tokenizer
+    ids, mask = _batch(tok, [7, 11, 4, 9, 6], seed=1)
+    width, new = ids.shape[1], 24
+    free = _hf(model, ids, mask, new, tok.pad_token_id, set())
+    # An end-of-sequence token that row 0 emits at its 4th step, and a stop string that row 2's reply
+    # contains early on: both rows end early; the others run to max_new_tokens.
+    eos = {int(free[0, width + 3])}
+    reply2 = tok.decode(free[2, width:width + 6], skip_special_tokens=False)
+    stop = [reply2[-3:]] if reply2[-3:].strip() else [reply2[-4:]]
+    rows_per_step: list[int] = []
+    hook = model.register_forward_pre_hook(lambda m, args, kwargs: rows_per_step.append(kwargs["input_ids"].shape[0]),
+                                           with_kwargs=True)
+    try:
+        got = greedy_generate(model, ids, mask, max_new_tokens=new, pad_token_id=tok.pad_token_id, stop=stop,
+                              decode=lambda t: tok.decode(t, skip_special_tokens=False), eos_token_ids=eos)
+    finally:
+        hook.remove()
+    expected = _hf(model, ids, mask, new, tok.pad_token_id, eos)
+    assert got.shape[0] == expected.shape[0]
+    for row in range(ids.shape[0]):
+        ours = postprocess_generated_text(tok.decode(got[row, width:], skip_special_tokens=True), stop, None)
+        theirs = postprocess_generated_text(tok.decode(expected[row, width:], skip_special_tokens=True), stop, None)
+        assert ours == theirs, row
+    assert rows_per_step[0] == 5 and min(rows_per_step) < 5  # finished rows were dropped
+    assert sum(rows_per_step) < 5 * len(rows_per_step)
+
+
+def test_the_harness_generator_gives_lm_evals_records(tiny, make_cfg):
+    """The whole slice through HFLM with HF generate and through HarnessHFLM: the same per-item records."""
+    cfg, loaded = tiny
+    slice_ = resolve(cfg.slices)[0]
+    out = {}
+    for generator in ("hf", "harness"):
+        settings = identity.eval_settings(identity.to_config(make_cfg(*TINY, f"eval.generator={generator}")), None)
+        lm = evaluate.make_lm(loaded.model, loaded.tokenizer, settings)
+        assert (type(lm).__name__ == "HarnessHFLM") == (generator == "harness")
+        out[generator], _ = evaluate.evaluate_slice(lm, slice_, settings)
+    pd.testing.assert_frame_equal(out["hf"], out["harness"])
+
+
+def test_an_unknown_generator_is_refused_before_work(make_cfg):
+    from harness.cli import UsageError
+
+    with pytest.raises(UsageError, match="eval.generator='fast'.*harness"):
+        identity.check_backend(identity.to_config(make_cfg(*TINY, "eval.generator=fast")))
+
+
+def test_shared_context_scoring_matches_full_sequences(tiny, make_cfg):
+    """Multiple-choice requests scored with the context run once equal lm-eval's full-sequence scores."""
+    from lm_eval.models.huggingface import HFLM
+
+    from harness.generation import shared_context_logprobs
+
+    _, loaded = tiny
+    model, tok = loaded.model, loaded.tokenizer
+    settings = identity.eval_settings(identity.to_config(make_cfg(*TINY)), None)
+    lm = evaluate.make_lm(model, tok, settings)
+    gen = torch.Generator().manual_seed(3)
+    requests = []
+    for item in range(3):
+        context = torch.randint(10, 200, (9 + 4 * item,), generator=gen).tolist()
+        for choice in range(4):
+            cont = torch.randint(10, 200, (1 + choice,), generator=gen).tolist()
+            requests.append(((f"c{item}", f"x{choice}"), context, cont))
+    requests.append((("solo", "y"), [5, 6, 7], [8, 9]))  # a context of its own: lm-eval's path
+    expected = HFLM._loglikelihood_tokens(lm, requests)
+    got = lm._loglikelihood_tokens(requests)
+    assert [g for _, g in got] == [g for _, g in expected]
+    assert torch.allclose(torch.tensor([v for v, _ in got]), torch.tensor([v for v, _ in expected]), rtol=1e-5, atol=1e-4)
+    direct = shared_context_logprobs(model, requests[0][1], [r[2] for r in requests[:4]], pad_token_id=0, device="cpu")
+    assert [round(v, 4) for v, _ in direct] == [round(v, 4) for v, _ in got[:4]]
+    with pytest.raises(ValueError, match="context of >= 2 tokens"):
+        shared_context_logprobs(model, [5], [[1]], pad_token_id=0, device="cpu")

@@ -277,11 +277,17 @@ def export(model: nn.Module, tokenizer: Any, scheme: QuantConfig, out: str | Pat
         if name in input_amax:
             _set(modules[name], "input_global_scale", _global_scale(input_amax[name]))
     for name, (key_scale, value_scale) in kv_scales.items():
-        _set(modules[name], "k_scale", key_scale)
-        _set(modules[name], "v_scale", value_scale)
+        # llm-compressor's names, read by vLLM (kv_cache_dtype=fp8): <attention>.k_scale / .v_scale, shape [1].
+        # Registered here: compressed-tensors 0.20 does not recognise transformers 5.24's attention (its
+        # forward takes `cache=`, not `past_key_values=`), so apply_quantization_config adds no k_scale.
+        modules[name].register_parameter("k_scale", nn.Parameter(key_scale.reshape(1), requires_grad=False))
+        modules[name].register_parameter("v_scale", nn.Parameter(value_scale.reshape(1), requires_grad=False))
     compressor = ModelCompressor.from_pretrained_model(exported)
-    if compressor is None:
-        raise ExportError(f"compressed-tensors found nothing to write for scheme {scheme.name!r}")
+    if compressor is None or compressor.quantization_config is None:  # KV cache only: no linear is quantized
+        compressor = ModelCompressor(quantization_config=QuantizationConfig(
+            config_groups={}, kv_cache_scheme=kv_args, quantization_status="compressed", format="dense"))
+    if kv_args is not None:
+        compressor.quantization_config.kv_cache_scheme = kv_args
     compressor.compress_model(exported)
     out.mkdir(parents=True, exist_ok=True)
     exported.save_pretrained(out)
@@ -322,10 +328,15 @@ def load_compressed(directory: Path, model: nn.Module) -> nn.Module:
     state: dict[str, Tensor] = {}
     for shard in sorted(directory.glob("*.safetensors")):
         state.update(load_file(shard))
-    unexpected = fresh.load_state_dict(state, strict=False).unexpected_keys
+    attention = {name for name, module in fresh.named_modules() if hasattr(module, "k_proj")}
+    kv = {key for key in state if key.rsplit(".", 1)[-1] in ("k_scale", "v_scale") and key.rsplit(".", 1)[0] in attention}
+    unexpected = [key for key in fresh.load_state_dict({k: v for k, v in state.items() if k not in kv},
+                                                       strict=False).unexpected_keys]
+    unexpected += [key for key in state if key.rsplit(".", 1)[-1] in ("k_scale", "v_scale") and key not in kv]
     if unexpected:
         raise ExportError(f"the export holds tensors compressed-tensors does not expect: {unexpected[:5]}")
     compressor.decompress_model(fresh)
+    fresh.kv_scales = {key: state[key] for key in kv}  # what vLLM reads; compressed-tensors 0.20 cannot attach them
     from compressed_tensors.offload.dispatch import remove_dispatch
 
     remove_dispatch(fresh)  # plain CPU modules again (decompression dispatches them)
@@ -344,7 +355,8 @@ def verify(directory: Path, harness_weights: dict[str, Tensor], model: nn.Module
     Returns the largest |Δw| over the quantized linears and the largest |Δ| of the loaded
     ``k_scale``/``v_scale`` against the harness's calibrated scales (None without a KV cache).
     """
-    modules = dict(load_compressed(directory, model).named_modules())
+    loaded = load_compressed(directory, model)
+    modules = dict(loaded.named_modules())
     worst = 0.0
     for name, weight in harness_weights.items():
         got = modules[name].weight.detach().to(torch.float32)
@@ -352,7 +364,7 @@ def verify(directory: Path, harness_weights: dict[str, Tensor], model: nn.Module
     kv_worst = None
     for name, (key_scale, value_scale) in (kv_scales or {}).items():
         for attr, want in (("k_scale", key_scale), ("v_scale", value_scale)):
-            got = getattr(modules[name], attr).detach().to(torch.float32)
+            got = loaded.kv_scales[f"{name}.{attr}"].to(torch.float32)
             kv_worst = max(kv_worst or 0.0, float((got.reshape(-1) - want.reshape(-1)).abs().max()))
     return worst, kv_worst
 

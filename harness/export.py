@@ -214,7 +214,9 @@ def _write_weight_qparams(module: nn.Module, weight: Tensor, spec: TensorQuantCo
         zero_point = torch.zeros_like(zero) if spec.symmetric else zero - 2 ** (spec.bits - 1)
     elif spec.format == "nvfp4":
         scale, global_scale, error = recover_nvfp4(weight)
-        if error > 0 and weight.dtype == torch.float32:
+        # float32: exact or refused; bf16/fp16 hide the global scale's last bits: one rounding step of the dtype
+        allowed = 0.0 if weight.dtype == torch.float32 else torch.finfo(weight.dtype).eps * float(weight.abs().max())
+        if error > allowed:
             raise ExportError(f"weights are not on an NVFP4 grid ({error:.3g} off at best); was the model "
                               "quantized with this scheme?")
         _set(module, "weight_global_scale", global_scale)

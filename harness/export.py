@@ -5,30 +5,55 @@ llm-compressor writes and vLLM serves), through the ``compressed-tensors`` libra
 the library's :class:`~compressed_tensors.compressors.ModelCompressor` packs the weights and
 writes ``quantization_config``; this module only says *what* grid each linear is on.
 
-Representable schemes (anything else is refused with this list):
+Representable schemes (anything else is refused with this list, :data:`REPRESENTABLE`):
 
 * integer weights, 4 or 8 bits, per output channel or per group, symmetric or asymmetric
   (``pack-quantized``): RTN, GPTQ, AWQ (its scales are already folded into the preceding norm
   or linear, which are written as ordinary weights), SmoothQuant-smoothed weights;
 * FP8 E4M3 weights per tensor or per channel, with or without dynamic per-token FP8
-  activations (``float-quantized``: "FP8_DYNAMIC" / W8A16 FP8).
+  activations (``float-quantized``: "FP8_DYNAMIC" / W8A16 FP8);
+* NVFP4 weights (``nvfp4-pack-quantized``, compressed-tensors' NVFP4A16 preset: E2M1 codes, an
+  E4M3 scale per 16, one FP32 ``weight_global_scale``), optionally with NVFP4 activations (the
+  NVFP4 preset: dynamic block scales, a static ``input_global_scale`` per linear);
+* any of these, or unquantized weights (``kv8``), with an FP8 E4M3 KV cache of static per-layer
+  scales: ``kv_cache_scheme`` in the config and ``<attention>.k_scale`` / ``.v_scale`` tensors
+  (shape [1], float32, amax/448: the harness's calibrated scales as they are), where vLLM's
+  ``kv_cache_dtype=fp8`` reads them. KIVI-style int KV caches, dynamic or per-head scales and
+  full-precision residual windows have no compressed-tensors form and are refused.
 
 The harness keeps dequantized weights, not codes, so the grid of each weight group is
-recovered from the values (:func:`recover_int_grid`, :func:`recover_fp8_scale`): every
-group's values are integer multiples of one scale (around one zero point), which is found
-exactly for RTN's ``amax / qmax`` and, for GPTQ groups whose largest code is below ``qmax``,
-by trying the smaller code ranges. Recovery is exact in float32; in bf16/fp16 the harness's
-values are themselves rounded to the model dtype, so the exported weights match them to one
-rounding step of that dtype. The export then decompresses its own output and checks it.
+recovered from the values (``harness.export_grids``): every group's values are integer
+multiples of one scale (around one zero point), which is found exactly for RTN's
+``amax / qmax`` and, for GPTQ groups whose largest code is below ``qmax``, by trying the smaller
+code ranges. Recovery is exact in float32; in bf16/fp16 the harness's values are themselves
+rounded to the model dtype, so the exported weights match them to one rounding step of that
+dtype. The export then decompresses its own output and checks it.
 
 Sign conventions: the harness's symmetric INT grid uses codes ``-(2^(b-1)-1) .. 2^(b-1)-1``
 (never ``-2^(b-1)``), a subset of compressed-tensors' signed range, so it is exact; the
 asymmetric grid's unsigned codes ``0 .. 2^b-1`` with zero point ``z`` are stored as signed
 codes ``q - 2^(b-1)`` with zero point ``z - 2^(b-1)``, the same values.
+
+NVFP4 conventions are compressed-tensors' own (the harness implements them): ``gs = 448·6 /
+amax`` per tensor, block scales ``e4m3(gs · amax_b / 6)`` stored as E4M3, values
+``e2m1 · s_b / gs``. ``gs`` is recovered to the float32 bit from the dequantized weights, so the
+stored checkpoint decodes (in float32) to the harness's weights exactly. Two library limits
+(compressed-tensors 0.20.1, transformers 5.24): NVFP4 decompresses into *bfloat16* whatever the
+model's dtype (a float32 model sees each weight rounded by up to 2^-8 of itself; transformers'
+lazy path then fails, float != BFloat16, unless loaded with ``dequantize=True``, which drops the
+activation quantization), so NVFP4 round trips are bit-exact in bfloat16 and 2^-8-relative in
+float32; and the KV-cache scheme is not attached to transformers 5.24's attention (its forward
+takes ``cache=``), so on a CPU the loaded model runs its KV cache unquantized — the scales are
+checked as tensors, and ``harness.candidate`` refuses such a checkpoint rather than mis-measure it.
+
+NVFP4 activations: the harness computes the global scale per call from the call's own amax;
+compressed-tensors (and vLLM) use one calibrated ``input_global_scale = 448·6 / amax`` over the
+calibration batches (llm-compressor's ``static_minmax``). Calibrated on the very batch evaluated
+the two are identical (tested); on other inputs the block scales differ by that amax ratio
+(before E4M3 rounding), and an input above the calibrated amax saturates at the E4M3 maximum.
 """
 from __future__ import annotations
 
-import copy
 import json
 import logging
 from dataclasses import dataclass, field
@@ -40,8 +65,12 @@ from torch import Tensor, nn
 
 from harness import cli
 from harness.config import QuantConfig, TensorQuantConfig
+from harness.export_check import _plain_copy, load_compressed, stored_error, verify
 from harness.export_grids import (REPRESENTABLE, ExportError, _unsupported, recover_fp8_scale, recover_int_grid,
                                   recover_nvfp4)
+
+__all__ = ["REPRESENTABLE", "ExportError", "ExportResult", "export", "kv_cache_args", "load_compressed",
+           "quantization_args", "recover_fp8_scale", "recover_int_grid", "recover_nvfp4", "stored_error", "verify"]
 
 log = logging.getLogger(__name__)
 
@@ -140,28 +169,6 @@ class ExportResult:
     max_abs_stored_error: float = 0.0
     max_abs_kv_scale_error: float | None = None  # written k_scale / v_scale vs the harness's calibrated ones
     input_global_scales: dict[str, float] = field(default_factory=dict)  # nvfp4 activations: 448·6 / calibrated amax
-
-
-def _plain_copy(model: nn.Module) -> nn.Module:
-    """A fresh instance of the model's class holding its current (quantized, folded) weights.
-
-    Its config is a copy with the harness's KV-cache attention wrapper (if installed) replaced by
-    the attention it wraps, so nothing of the harness's simulation is written."""
-    from harness.quant.kv import WRAPPER_PREFIX
-
-    config = copy.deepcopy(model.config)
-    attention = getattr(config, "_attn_implementation", None)
-    if attention and attention.startswith(WRAPPER_PREFIX):
-        config._attn_implementation = attention[len(WRAPPER_PREFIX):]
-    state = {k: v for k, v in model.state_dict().items()}
-    fresh = type(model)(config).to(dtype=next(model.parameters()).dtype)
-    missing, unexpected = fresh.load_state_dict(state, strict=False)
-    if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:
-        raise ExportError(f"cannot rebuild {type(model).__name__} for export: missing {missing[:5]}, "
-                          f"unexpected {unexpected[:5]}")
-    if getattr(config, "tie_word_embeddings", False):
-        fresh.tie_weights()
-    return fresh.eval()
 
 
 @torch.no_grad()
@@ -301,96 +308,9 @@ def export(model: nn.Module, tokenizer: Any, scheme: QuantConfig, out: str | Pat
     stored = stored_error(out, harness_weights) if qconfig.get("format") == "nvfp4-pack-quantized" else error
     log.info("exported %d quantized linears (%s) to %s; max |Δw| vs the harness %.3g", len(harness_weights),
              qconfig.get("format"), out, error)
-    return ExportResult(out, str(qconfig.get("format")), sorted(harness_weights), sorted(kept), error, qconfig,
+    kept = sorted(kept) if fields else sorted(set(kept) | set(targets))  # KV cache only: every linear kept
+    return ExportResult(out, str(qconfig.get("format")), sorted(harness_weights), kept, error, qconfig,
                         stored, kv_error, {name: float(_global_scale(a)) for name, a in input_amax.items()})
-
-
-def load_compressed(directory: Path, model: nn.Module) -> nn.Module:
-    """The export as compressed-tensors itself loads it: decompressed, with its quantized forward.
-
-    A fresh copy of ``model``'s architecture gets the written ``quantization_config`` (status
-    frozen: activation and KV-cache quantization run in its forward), is compressed to obtain the
-    packed parameter shapes, loads the safetensors and decompresses. Tensors the library does not
-    expect (a misnamed ``k_scale``, say) raise :class:`ExportError`. (transformers' loader is not
-    used here: it cannot load asymmetric pack-quantized checkpoints in transformers 5.24 +
-    compressed-tensors 0.20, llm-compressor issue #1618, and in float32 it fails on NVFP4.)
-    """
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, apply_quantization_config
-    from safetensors.torch import load_file
-
-    qconfig = json.loads((directory / "config.json").read_text())["quantization_config"]
-    config = QuantizationConfig.model_validate({k: v for k, v in qconfig.items()
-                                                if k in QuantizationConfig.model_fields})
-    config.quantization_status = QuantizationStatus.FROZEN
-    fresh = _plain_copy(model)
-    apply_quantization_config(fresh, config, show_progress=False)
-    compressor = ModelCompressor(quantization_config=config)
-    compressor.compress_model(fresh)
-    state: dict[str, Tensor] = {}
-    for shard in sorted(directory.glob("*.safetensors")):
-        state.update(load_file(shard))
-    attention = {name for name, module in fresh.named_modules() if hasattr(module, "k_proj")}
-    kv = {key for key in state if key.rsplit(".", 1)[-1] in ("k_scale", "v_scale") and key.rsplit(".", 1)[0] in attention}
-    unexpected = [key for key in fresh.load_state_dict({k: v for k, v in state.items() if k not in kv},
-                                                       strict=False).unexpected_keys]
-    unexpected += [key for key in state if key.rsplit(".", 1)[-1] in ("k_scale", "v_scale") and key not in kv]
-    if unexpected:
-        raise ExportError(f"the export holds tensors compressed-tensors does not expect: {unexpected[:5]}")
-    compressor.decompress_model(fresh)
-    fresh.kv_scales = {key: state[key] for key in kv}  # what vLLM reads; compressed-tensors 0.20 cannot attach them
-    from compressed_tensors.offload.dispatch import remove_dispatch
-
-    remove_dispatch(fresh)  # plain CPU modules again (decompression dispatches them)
-    dtype = next(model.parameters()).dtype
-    for module in fresh.modules():  # NVFP4 decompresses to bfloat16 whatever the model's dtype: run it in dtype
-        weight = getattr(module, "weight", None)
-        if isinstance(weight, nn.Parameter) and weight.is_floating_point() and weight.dtype != dtype:
-            module.weight = nn.Parameter(weight.detach().to(dtype), requires_grad=False)
-    return fresh
-
-
-def verify(directory: Path, harness_weights: dict[str, Tensor], model: nn.Module,
-           kv_scales: dict[str, tuple[Tensor, Tensor]] | None = None) -> tuple[float, float | None]:
-    """Decompress the export with compressed-tensors (:func:`load_compressed`) and compare with the harness.
-
-    Returns the largest |Δw| over the quantized linears and the largest |Δ| of the loaded
-    ``k_scale``/``v_scale`` against the harness's calibrated scales (None without a KV cache).
-    """
-    loaded = load_compressed(directory, model)
-    modules = dict(loaded.named_modules())
-    worst = 0.0
-    for name, weight in harness_weights.items():
-        got = modules[name].weight.detach().to(torch.float32)
-        worst = max(worst, float((got - weight.to(torch.float32)).abs().max()))
-    kv_worst = None
-    for name, (key_scale, value_scale) in (kv_scales or {}).items():
-        for attr, want in (("k_scale", key_scale), ("v_scale", value_scale)):
-            got = loaded.kv_scales[f"{name}.{attr}"].to(torch.float32)
-            kv_worst = max(kv_worst or 0.0, float((got.reshape(-1) - want.reshape(-1)).abs().max()))
-    return worst, kv_worst
-
-
-def stored_error(directory: Path, harness_weights: dict[str, Tensor]) -> float:
-    """Largest |Δw| of the written NVFP4 codes and scales decoded in float32 (``e2m1 · s_b / gs``).
-
-    compressed-tensors 0.20's decompressor unpacks NVFP4 to bfloat16 and dequantizes into bfloat16
-    (``unpack_fp4_from_uint8``'s default dtype), which rounds each weight by up to 2^-8 of its
-    value; the same library functions with ``dtype=float32`` show what the checkpoint holds."""
-    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
-    from safetensors.torch import load_file
-
-    state: dict[str, Tensor] = {}
-    for shard in sorted(directory.glob("*.safetensors")):
-        state.update(load_file(shard))
-    worst = 0.0
-    for name, weight in harness_weights.items():
-        packed = state[f"{name}.weight_packed"]
-        codes = unpack_fp4_from_uint8(packed, packed.shape[0], packed.shape[1] * 2, dtype=torch.float32)
-        step = state[f"{name}.weight_scale"].to(torch.float32) / state[f"{name}.weight_global_scale"].to(torch.float32)
-        decoded = (codes.reshape(codes.shape[0], -1, 16) * step[..., None]).reshape(codes.shape)
-        worst = max(worst, float((decoded - weight.to(torch.float32)).abs().max()))
-    return worst
 
 
 # ------------------------------------------------------------------------------ CLI
@@ -428,7 +348,10 @@ def _body(parsed: cli.Parsed[ExportOptions]) -> int:
     result = export(prepared.loaded.model, prepared.loaded.tokenizer, prepared.scheme, options.out,
                     targets=targets, kept=kept, calibration=calibration)
     print(f"wrote {result.directory} ({result.format}; {len(result.quantized)} quantized linears, "
-          f"{len(result.kept)} kept); max |Δw| vs the harness's weights {result.max_abs_weight_error:.3g}")
+          f"{len(result.kept)} kept); max |Δw| vs the harness's weights {result.max_abs_weight_error:.3g} "
+          f"(decompressed by compressed-tensors), {result.max_abs_stored_error:.3g} (stored values)"
+          + ("" if result.max_abs_kv_scale_error is None
+             else f"; k/v scales max |Δ| {result.max_abs_kv_scale_error:.3g}"))
     return 0
 
 

@@ -304,3 +304,37 @@ def test_kv_cache_scales_are_written_where_vllm_reads_them(name, tmp_path):
         plain = model(ids).logits
     with torch.no_grad():
         assert torch.allclose(loaded(ids).logits, plain, rtol=0, atol=1e-4 if name.startswith("gptq") else 0)
+
+
+def _ct_nvfp4(x: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' own NVFP4 QDQ of activations ``x`` with global scale ``gs`` (dynamic local scales)."""
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.quant_scheme import NVFP4
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    args = NVFP4["input_activations"]
+    scale, zero = compute_dynamic_scales_and_zp(value=x, args=args, module=torch.nn.Linear(1, 1), global_scale=gs)
+    return fake_quantize(x=x, scale=scale, zero_point=zero, args=args, global_scale=gs)
+
+
+def test_harness_nvfp4_equals_compressed_tensors_at_e4m3_ties():
+    """A block whose scale gs·(amax/6) is exactly halfway between two E4M3 values: computed as (gs·amax)/6 it
+    can land an ulp off the tie and round the other way (seen on SmolLM2's activations)."""
+    from harness.quant.formats import nvfp4_quantize
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(10000):
+        amax = torch.rand(1, generator=g) * 0.3 + 0.05
+        gs = (10.5 / (amax / 6)).float()  # 10.5: halfway between the E4M3 values 10 and 11
+        if float(gs * (amax / 6)) == 10.5 and float(gs * amax / 6) != 10.5:
+            break
+    else:
+        pytest.fail("no tie found")
+    x = torch.randn(4, 64, generator=g) * 0.02
+    x[0, 0] = amax  # block 0 has exactly this amax
+    x[0, 1:16] = x[0, 1:16].clamp(-float(amax) / 2, float(amax) / 2)
+    ours, theirs = nvfp4_quantize(x, global_scale=gs), _ct_nvfp4(x, gs.reshape(1))
+    assert torch.equal(ours, theirs)
+    x = torch.randn(64, 256, generator=g)  # and on ordinary data, with the tensor's own global scale
+    gs = (448 * 6 / x.abs().max()).reshape(1)
+    assert torch.equal(nvfp4_quantize(x), _ct_nvfp4(x, gs))

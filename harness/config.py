@@ -255,6 +255,9 @@ class RuntimeConfig:
     # the process's CPU affinity, capped by $SLURM_CPUS_PER_TASK). Set 1 beside other work: with
     # more threads than free cores every thread waits on the slowest (4x slower measured here).
     threads: Optional[int] = None
+    # auto | true | false: on a CPU job with >= 2 threads, compute missing references in a second
+    # process (half the threads) while this one quantizes and evaluates (harness.background_reference)
+    reference_process: str = "auto"
 
 
 @dataclass

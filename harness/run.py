@@ -25,8 +25,8 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from harness import (candidate, cli, devices, divergence, evaluate, gate, ledger, longgen, models, placement, quant,
-                     report, resources, summary, sweep, tracking)
+from harness import (background_reference, candidate, cli, devices, divergence, evaluate, gate, ledger, longgen,
+                     models, placement, quant, report, resources, summary, sweep, tracking)
 from harness.cache import Cache, atomic_write_json, atomic_write_text
 from harness.config import RunConfig
 from harness.identity import check_backend, config_dict, eval_settings, run_key, run_name, to_config, tokenizer_dir
@@ -116,6 +116,7 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
         shutil.rmtree(checkpoint, ignore_errors=True)
 
     with timings.stage("reference"):  # a reference another job is computing is read after evaluating
+        background = background_reference.start(cfg, loaded, checked.slices, cache, runtime["threads"])
         references = {s.name: r for s in checked.slices
                       if (r := reference_unless_busy(loaded, s, cfg, cache)) is not None}
     deferred = [s for s in checked.slices if s.name not in references]
@@ -132,6 +133,7 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
         with timings.stage("reference_wait"):
             references.update(deferred_references(loaded, deferred, cfg, cache))
         references = {s.name: references[s.name] for s in checked.slices}
+    background_reference.finish(background, runtime["threads"])  # all threads again for the divergence
     references = share_heads(references)  # the frozen head lives once per run, not once per slice
     with timings.stage("divergence"):
         tokens = pd.concat([divergence.compare_to_reference(loaded.model, references[s.name].texts, s.name)
@@ -147,7 +149,7 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     capacity_ledger = capacity(loaded, quant_report, cfg)
     result = summary_record(cfg, key, comparison, quant_report, references, evaluated, timings, loaded)
     result["quant"].update(capacity_ledger.metrics())
-    result["runtime"] = runtime
+    result["runtime"] = {**runtime, "reference_process": background.slices if background else []}
     result["candidate"] = candidate_params
     result["reference_deferred"] = [s.name for s in deferred]  # read after evaluating: another job computed it
     long_generation = longgen.for_run(items, loaded.tokenizer)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -202,6 +203,10 @@ class AWQOutcome:
     input_scales: dict[str, Tensor]  # linear → s multiplied into its input columns
     output_scales: dict[str, Tensor]  # linear → s its output rows were divided by (it is a fold target)
     ratios: dict[str, float]  # "<block>.<prev>" → chosen α
+    losses: dict[str, list[float]] = field(default_factory=dict)  # "<block>.<prev>" → loss at each grid point
+    # Wall seconds summed over blocks: "statistics" (the full-precision forward on every batch, which also
+    # records the search inputs and reference outputs), "search" (the α grid), "clip_round" (clip search + RTN).
+    seconds: dict[str, float] = field(default_factory=lambda: {"statistics": 0.0, "search": 0.0, "clip_round": 0.0})
 
 
 def _record(block: nn.Module, groups: list[LinearGroup], foldable: set[str],
@@ -280,6 +285,7 @@ def quantize_awq(model: nn.Module, scheme: QuantConfig, tokens: Tensor, device: 
             foldable = [g for g in adapter.foldable_groups(block) if g in groups]
             searching = [False]
             handles, captures = _record(block, groups, {g.prev for g in foldable}, searching)
+            started = time.perf_counter()
             try:
                 outputs = []
                 for number, (states, extra) in enumerate(zip(hidden, inputs.extras[index])):
@@ -288,12 +294,22 @@ def quantize_awq(model: nn.Module, scheme: QuantConfig, tokens: Tensor, device: 
             finally:
                 for handle in handles:
                     handle.remove()
+            searched = time.perf_counter()
             _process_block(block, prefix, adapter, foldable, captures, targets, spec, settings, outcome)
+            clipped = time.perf_counter()
             if apply_quantization:
                 _clip_and_round(prefix, adapter, groups, captures, block_targets, originals, scheme, settings,
                                 outcome, report)
             hidden = outputs
+            outcome.seconds["statistics"] += searched - started
+            outcome.seconds["search"] += clipped - searched
+            outcome.seconds["clip_round"] += time.perf_counter() - clipped
         progress.done(index)
+    searched_tokens = n_search * tokens.shape[1]
+    log.info("awq: %d blocks; statistics pass %.1fs (%d x %d tokens), alpha search %.1fs (grid %d x %d groups/block x "
+             "%d tokens), clip + round %.1fs", len(blocks), outcome.seconds["statistics"], *tokens.shape,
+             outcome.seconds["search"], settings.grid, len(adapter.foldable_groups(blocks[0])) if len(blocks) else 0,
+             searched_tokens, outcome.seconds["clip_round"])
     return outcome
 
 
@@ -313,6 +329,7 @@ def _process_block(block: nn.Module, prefix: str, adapter: Adapter, groups: list
         capture.outputs = []  # free them
         found.append((group, linears, result))
         outcome.ratios[f"{prefix}.{group.prev}"] = result.ratio
+        outcome.losses[f"{prefix}.{group.prev}"] = result.losses
     for group, linears, result in found:
         prev = block.get_submodule(group.prev)
         fold_scales(prev, linears, result.scales, adapter.norm_offset)

@@ -65,8 +65,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=32, help="calibration sequences (statistics)")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--settings", default="20:8,20:8:8,20:4,20:2,10:8",
-                        help="grid:search_samples[:offset], first = base; an offset rolls the calibration sequences "
-                             "so the search uses others (same statistics): a noise yardstick")
+                        help="grid:search_samples[:offset][c], first = base; an offset rolls the calibration sequences "
+                             "so the search uses others (same statistics): a noise yardstick; c: coarse-to-fine")
     parser.add_argument("--held-out", type=int, default=16, help="held-out windows for KL")
     parser.add_argument("--kl-tokens", type=int, default=256, help="tokens scored per held-out window")
     parser.add_argument("--blocks", type=int, default=0, help="keep only the first N blocks (0: all)")
@@ -103,24 +103,28 @@ def main() -> None:
 
     base_kl, base_ratios = None, None
     for text in args.settings.split(","):
-        grid, search_samples, offset = (int(v) for v in (text + ":0").split(":")[:3])
+        coarse_to_fine = text.endswith("c")
+        grid, search_samples, offset = (int(v) for v in (text.rstrip("c") + ":0").split(":")[:3])
         spec = copy.deepcopy(base_spec)
-        spec.awq.grid, spec.awq.search_samples = grid, search_samples
+        spec.awq.grid, spec.awq.search_samples, spec.awq.coarse_to_fine = grid, search_samples, coarse_to_fine
         model = copy.deepcopy(reference)
         report = QuantReport(scheme="awq_w4g128", method="awq")
         load = os.getloadavg()[0]
         start, cpu = time.perf_counter(), cpu_seconds()
         outcome = awq.quantize_awq(model, spec, torch.roll(tokens, -offset, dims=0), "cpu", report, batch_size=8,
                                    search_samples=search_samples)
-        entry = {"grid": grid, "search_samples": search_samples, "search_offset": offset, "wall_s": round(time.perf_counter() - start, 1),
+        entry = {"grid": grid, "search_samples": search_samples, "search_offset": offset,
+                 "coarse_to_fine": coarse_to_fine, "wall_s": round(time.perf_counter() - start, 1),
                  "cpu_s": round(cpu_seconds() - cpu, 1), "load_1min_before": round(load, 2),
                  "load_1min_after": round(os.getloadavg()[0], 2),
-                 "phase_wall_s": {k: round(v, 1) for k, v in outcome.seconds.items()}}
+                 "phase_wall_s": {k: round(v, 1) for k, v in outcome.seconds.items()},
+                 "phase_cpu_s": {k: round(v, 1) for k, v in outcome.cpu_seconds.items()}}
         kl = per_window_kl(model, references)
         entry["kl"] = float(kl.mean())
         entry["kl_over_rtn"] = float(kl.mean() / rtn_kl.mean())
         # A loss curve with one local minimum over the grid: a coarse-to-fine search would find the same α.
-        entry["unimodal_loss_curves"] = f"{sum(_unimodal(v) for v in outcome.losses.values())}/{len(outcome.losses)}"
+        if not coarse_to_fine:
+            entry["unimodal_loss_curves"] = f"{sum(_unimodal(v) for v in outcome.losses.values())}/{len(outcome.losses)}"
         if base_kl is None:
             base_kl, base_ratios = kl, outcome.ratios
         else:

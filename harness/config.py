@@ -115,6 +115,9 @@ class AWQConfig:
     # Calibration sequences the alpha and clip losses are measured on (0: all); the activation
     # statistics always use every sequence. Search time grows linearly with it (8: minutes on CPU).
     search_samples: int = 8
+    # Evaluate every ~sqrt(grid)-th alpha, then the neighbourhood of the best: the full grid's choice whenever the
+    # loss curve has a single minimum (11 of 20 points; on SmolLM2 see benchmarks/results/awq_search.json).
+    coarse_to_fine: bool = False
 
 
 @dataclass

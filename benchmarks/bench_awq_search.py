@@ -60,6 +60,15 @@ def _unimodal(losses: list[float]) -> bool:
             and all(a < b for a, b in zip(losses[best:], losses[best + 1:])))
 
 
+def _full_choice(losses: list[float]) -> int:
+    return losses.index(min(losses))
+
+
+def _coarse_choice(losses: list[float]) -> int:
+    steps = awq.coarse_to_fine_steps(len(losses), lambda step: losses[step])
+    return min(steps, key=lambda step: (losses[step], step))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--samples", type=int, default=32, help="calibration sequences (statistics)")
@@ -124,7 +133,10 @@ def main() -> None:
         entry["kl_over_rtn"] = float(kl.mean() / rtn_kl.mean())
         # A loss curve with one local minimum over the grid: a coarse-to-fine search would find the same α.
         if not coarse_to_fine:
-            entry["unimodal_loss_curves"] = f"{sum(_unimodal(v) for v in outcome.losses.values())}/{len(outcome.losses)}"
+            curves = list(outcome.losses.values())
+            entry["unimodal_loss_curves"] = f"{sum(_unimodal(v) for v in curves)}/{len(curves)}"
+            # Replayed on the recorded full-grid losses: the α a coarse-to-fine search would have chosen.
+            entry["coarse_to_fine_would_agree"] = f"{sum(_coarse_choice(v) == _full_choice(v) for v in curves)}/{len(curves)}"
         if base_kl is None:
             base_kl, base_ratios = kl, outcome.ratios
         else:

@@ -116,8 +116,9 @@ class AWQConfig:
     # statistics always use every sequence. Search time grows linearly with it (8: minutes on CPU).
     search_samples: int = 8
     # Evaluate every ~sqrt(grid)-th alpha, then the neighbourhood of the best: the full grid's choice whenever the
-    # loss curve has a single minimum (11 of 20 points; on SmolLM2 see benchmarks/results/awq_search.json).
-    coarse_to_fine: bool = False
+    # loss curve has a single minimum (11 of 20 points). SmolLM2: same alpha in 89 of 90 groups, held-out KL
+    # unchanged within noise, 0.54x the search time (benchmarks/results/awq_search.json). false: every point.
+    coarse_to_fine: bool = True
 
 
 @dataclass

@@ -295,12 +295,38 @@ def test_cache_key_keeps_full_grid_entries_and_separates_coarse_to_fine() -> Non
     from harness.cache import stable_hash
     from harness.quant.calibrated_cache import ALGORITHM_VERSION, calibrated_key
 
-    full = _scheme()
+    full = _scheme(coarse_to_fine=False)
     before = {"method": "awq", "weights": dataclasses.asdict(full.weights), "targets": list(full.targets),
               "keep": list(full.keep), "version": ALGORITHM_VERSION,
               "settings": {k: v for k, v in dataclasses.asdict(full.awq).items() if k != "coarse_to_fine"}}
     if before["weights"].get("int_range") == "restricted":
         del before["weights"]["int_range"]
     assert calibrated_key("m", full, "h") == stable_hash({"model": "m", "scheme": before, "calibration": "h"}, 24)
-    quick = _scheme(coarse_to_fine=True)
+    quick = _scheme()  # coarse-to-fine is the default
+    assert quick.awq.coarse_to_fine
     assert calibrated_key("m", quick, "h") != calibrated_key("m", full, "h")
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("coarse_to_fine", [True, False])
+def test_whole_model_search_follows_the_coarse_to_fine_setting(coarse_to_fine: bool) -> None:
+    from harness.quant import awq as awq_mod
+
+    calls: list[int] = []
+    real = awq_mod.search_scales
+
+    def search_scales(linears, quantize, inspect, *args, **kwargs):
+        counted = lambda: calls.append(1) or inspect()  # noqa: E731
+        return real(linears, quantize, counted, *args, **kwargs)
+
+    awq_mod.search_scales = search_scales
+    try:
+        quantize_awq(tiny_llama(), _scheme(coarse_to_fine=coarse_to_fine), _tokens(8), "cpu", QuantReport("a", "awq"),
+                     batch_size=4, search_samples=4)
+    finally:
+        awq_mod.search_scales = real
+    groups = 2 * 4  # two blocks; without grouped-query attention v→o is searched too
+    if coarse_to_fine:
+        assert groups * 8 <= len(calls) <= groups * 11  # 5 coarse points + 3 to 6 around the best
+    else:
+        assert len(calls) == groups * 20

@@ -6,8 +6,9 @@ AWQ's cost beyond its one full-precision statistics pass is the α search, ``gri
 (foldable groups per block) × one run of each group's inspected module on
 ``search_samples`` × ``seq_len`` tokens, and the clip search on tokens sampled from the same
 search sequences. This runs AWQ (``awq_w4g128``) on SmolLM2-135M once per setting with the
-same calibration tokens (once with the search on other sequences, as a noise yardstick), plus round-to-nearest on the same grid as the no-search floor, and
-reports for each: wall and CPU seconds with the phase split (statistics / search / clip and
+same calibration tokens (once with the search on other sequences, as a noise yardstick; a
+``c`` suffix searches coarse to fine), plus round-to-nearest on the same grid as the
+no-search floor, and reports for each: wall and CPU seconds with the phase split (statistics / search / clip and
 round), the load average, the mean KL(ref‖quant) per token on held-out windows of the
 calibration corpus (disjoint from the calibration windows), its paired difference from the
 first setting with a standard error over windows, and how many α choices agree with it.
@@ -136,7 +137,8 @@ def main() -> None:
             curves = list(outcome.losses.values())
             entry["unimodal_loss_curves"] = f"{sum(_unimodal(v) for v in curves)}/{len(curves)}"
             # Replayed on the recorded full-grid losses: the α a coarse-to-fine search would have chosen.
-            entry["coarse_to_fine_would_agree"] = f"{sum(_coarse_choice(v) == _full_choice(v) for v in curves)}/{len(curves)}"
+            agree = sum(_coarse_choice(v) == _full_choice(v) for v in curves)
+            entry["coarse_to_fine_would_agree"] = f"{agree}/{len(curves)}"
         if base_kl is None:
             base_kl, base_ratios = kl, outcome.ratios
         else:

@@ -1,6 +1,6 @@
 """AWQ's search settings against quality: time and KL for several (grid, search_samples) pairs.
 
-    .venv/bin/python benchmarks/bench_awq_search.py [--samples 32] [--settings 20:8,20:4,20:2,10:8]
+    .venv/bin/python benchmarks/bench_awq_search.py --samples 32 --settings 20:8,20:8c,20:8:8,20:4c,20:4
 
 AWQ's cost beyond its one full-precision statistics pass is the α search, ``grid`` ×
 (foldable groups per block) × one run of each group's inspected module on
@@ -8,8 +8,8 @@ AWQ's cost beyond its one full-precision statistics pass is the α search, ``gri
 search sequences. This runs AWQ (``awq_w4g128``) on SmolLM2-135M once per setting with the
 same calibration tokens (once with the search on other sequences, as a noise yardstick; a
 ``c`` suffix searches coarse to fine), plus round-to-nearest on the same grid as the
-no-search floor, and reports for each: wall and CPU seconds with the phase split (statistics / search / clip and
-round), the load average, the mean KL(ref‖quant) per token on held-out windows of the
+no-search floor, and reports for each: wall and CPU seconds with the phase split
+(statistics / search / clip and round), the load average, the mean KL(ref‖quant) per token on held-out windows of the
 calibration corpus (disjoint from the calibration windows), its paired difference from the
 first setting with a standard error over windows, and how many α choices agree with it.
 Writes benchmarks/results/awq_search.json.

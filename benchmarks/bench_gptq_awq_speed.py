@@ -1,13 +1,16 @@
 """GPTQ/AWQ speed before and after a change, in one run, with the results compared.
 
     .venv/bin/python benchmarks/bench_gptq_awq_speed.py --baseline main [--samples 32] [--blocks 0]
+    .venv/bin/python benchmarks/bench_gptq_awq_speed.py --baseline none --samples 128   # timing only
 
 Runs each method twice on SmolLM2-135M with the same calibration tokens: once with the
 module as it is at git revision ``--baseline`` (loaded from ``git show``; the rest of the
 harness is the working tree's) and once with the working tree's. Reports wall and CPU time
 of each, the load average, and how far the results differ: the largest ``|Δw| / max|w|``
 over the quantized linears and the mean KL(baseline‖new) per token on held-out windows.
-Writes benchmarks/results/gptq_awq_speed.json.
+``--baseline none`` runs only the working tree's modules (the full-size timing). Each run also
+records its phase split: GPTQ's calibration forward / Hessians / solves, AWQ's statistics pass /
+α search / clip and round (wall and CPU). Writes benchmarks/results/gptq_awq_speed.json.
 """
 from __future__ import annotations
 
@@ -64,12 +67,20 @@ def quantize(module: ModuleType, method: str, reference: torch.nn.Module, spec, 
     model = copy.deepcopy(reference)
     report = QuantReport(scheme=SCHEMES[method], method=method)
     start, cpu, load = time.perf_counter(), cpu_seconds(), os.getloadavg()[0]
+    phases: dict = {}
     if method == "gptq":
         module.quantize_gptq(model, spec, tokens, "cpu", report, batch_size=8)
+        times = getattr(module, "LAST_TIMES", None)
+        if times is not None:
+            phases = {"forward": times.forward, "hessian": times.hessian, "solve": times.solve}
     else:
-        module.quantize_awq(model, spec, tokens, "cpu", report, batch_size=8, search_samples=spec.awq.search_samples)
+        outcome = module.quantize_awq(model, spec, tokens, "cpu", report, batch_size=8,
+                                      search_samples=spec.awq.search_samples)
+        phases = {f"{k}_wall": v for k, v in getattr(outcome, "seconds", {}).items()}
+        phases |= {f"{k}_cpu": v for k, v in getattr(outcome, "cpu_seconds", {}).items()}
     return {"wall_s": round(time.perf_counter() - start, 1), "cpu_s": round(cpu_seconds() - cpu, 1),
-            "load_1min_before": load, "load_1min_after": os.getloadavg()[0]}, model
+            "load_1min_before": load, "load_1min_after": os.getloadavg()[0],
+            "phases_s": {k: round(v, 1) for k, v in phases.items()}}, model
 
 
 @torch.no_grad()
@@ -89,11 +100,15 @@ def compare(before: torch.nn.Module, after: torch.nn.Module, names: list[str], h
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--baseline", default="main", help="git revision of the 'before' module")
+    parser.add_argument("--baseline", default="main", help="git revision of the 'before' module (none: time only "
+                        "the working tree's)")
     parser.add_argument("--method", choices=sorted(SCHEMES), action="append")
     parser.add_argument("--samples", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--blocks", type=int, default=0, help="keep only the first N blocks (0: all)")
+    parser.add_argument("--set", action="append", default=[], metavar="OVERRIDE",
+                        help="scheme override, e.g. quant.awq.search_samples=4 (quant.awq.* / quant.gptq.* apply to "
+                             "that method only)")
     parser.add_argument("--cache-dir", default=os.environ.get("HARNESS_CACHE_DIR", "~/.cache/quant-harness"))
     parser.add_argument("--out", type=Path, default=REPO_DIR / "benchmarks" / "results" / "gptq_awq_speed.json")
     args = parser.parse_args()
@@ -106,16 +121,24 @@ def main() -> None:
         reference.config.num_hidden_layers = args.blocks
     calibration = CalibrationConfig(num_samples=args.samples, seq_len=args.seq_len)
     results: dict = {"samples": args.samples, "seq_len": args.seq_len, "blocks": len(reference.model.layers),
-                     "torch_threads": torch.get_num_threads(), "baseline": args.baseline, "methods": {}}
+                     "torch_threads": torch.get_num_threads(), "baseline": args.baseline, "overrides": args.set,
+                     "methods": {}}
     current = {"gptq": gptq, "awq": awq}
     for method in args.method or ["gptq", "awq"]:
-        spec = with_model_defaults(OmegaConf.to_object(compose([f"quant={SCHEMES[method]}"]).quant),
+        overrides = [o for o in args.set if not o.startswith(("quant.awq.", "quant.gptq.")) or
+                     o.startswith(f"quant.{method}.")]
+        spec = with_model_defaults(OmegaConf.to_object(compose([f"quant={SCHEMES[method]}", *overrides]).quant),
                                    model_cfg.ragged_groups)
         context = CalibrationContext(model_key=loaded.key, tokenizer=loaded.tokenizer, config=calibration,
                                      device=torch.device("cpu"), cache=Cache(cache_dir), scheme=spec)
         tokens = context.tokens()
         held_out = torch.roll(tokens[:8, :256], shifts=1, dims=0) if len(tokens) > 1 else tokens[:, :256]
         names = list(target_linears(reference, spec)[0])
+        if args.baseline == "none":
+            after, _ = quantize(current[method], method, reference, spec, tokens)
+            print(f"{method}: {after}", flush=True)
+            results["methods"][method] = {"after": after}
+            continue
         before, model_before = quantize(baseline_module(method, args.baseline), method, reference, spec, tokens)
         print(f"{method} before: {before}", flush=True)
         after, model_after = quantize(current[method], method, reference, spec, tokens)

@@ -20,12 +20,17 @@ The loss of the α and clip searches is measured on the first ``quant.awq.search
 calibration sequences; the activation statistics use all of them. Search cost per block ≈
 Σ over foldable groups of ``grid`` × (fake-quantize the group's weights + run its inspected
 module on search_samples × seq_len tokens), plus per clipped linear ``max_shrink · clip_grid``
-rounds on 512 sampled tokens.
+rounds on 512 sampled tokens. ``quant.awq.coarse_to_fine`` evaluates about ``2·sqrt(grid)``
+of the grid points instead (:func:`coarse_to_fine_steps`). On SmolLM2 (one thread, 8 × 512
+search tokens) one grid point costs ~136 ms for q/k/v (the attention), ~255 ms for gate/up
+(the MLP) and ~72 ms for down; o_proj is not searched there (grouped-query attention: v's
+output is not o's input). :class:`AWQOutcome` records the wall and CPU seconds of each phase.
 """
 from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -42,8 +47,8 @@ from harness.quant.tensor import SchemeError, fake_quantize
 log = logging.getLogger(__name__)
 
 # Sequences on which the α and clip losses are measured (0: all): quant.awq.search_samples. Full-precision
-# statistics always use every sequence. 8 × 512 tokens keeps SmolLM2 on a 2-core CPU within minutes;
-# on a GPU use all (quant.awq.search_samples=0).
+# statistics always use every sequence. 4 × 512 tokens keeps SmolLM2 on a 2-core CPU within ~3 minutes (the
+# choice of search sequences moves held-out KL by a few per cent either way); on a GPU use all (search_samples=0).
 DEFAULT_SEARCH_SAMPLES = AWQConfig.search_samples
 CLIP_TOKENS = 512  # llm-awq's n_sample_token for the clip search
 CLIP_BATCH_ELEMENTS = 1 << 24  # rows × tokens × groups per clip-search batch (64 MiB of float32 outputs)
@@ -87,16 +92,38 @@ class ScaleSearch:
     losses: list[float]
 
 
+def coarse_to_fine_steps(grid: int, loss: Callable[[int], float]) -> list[int]:
+    """The grid steps a coarse-to-fine search evaluates, best first found by ``loss(step)``.
+
+    Every ``stride``-th step (``stride = round(sqrt(grid))``, at least 2), then every step within
+    ``stride - 1`` of the best of those. For a loss that falls strictly to its minimum over the
+    grid and rises strictly after it, the minimum lies strictly between the best coarse step's
+    neighbours, so this finds the full grid's choice with about ``2·sqrt(grid)`` evaluations
+    (11 of 20). Returns the evaluated steps in ascending order.
+    """
+    stride = max(2, round(math.sqrt(grid)))
+    coarse = list(range(0, grid, stride))
+    values = {step: loss(step) for step in coarse}
+    best = min(coarse, key=lambda step: (not values[step] < math.inf, values[step], step))
+    for step in range(max(0, best - stride + 1), min(grid, best + stride)):
+        if step not in values:
+            values[step] = loss(step)
+    return sorted(values)
+
+
 @torch.no_grad()
 def search_scales(linears: list[nn.Linear], quantize: list[bool], inspect: Callable[[], list[Tensor]],
                   x_mean: Tensor, spec: TensorQuantConfig, *, grid: int, duo_scaling: bool,
-                  reference: list[Tensor] | None = None) -> ScaleSearch:
+                  reference: list[Tensor] | None = None, coarse_to_fine: bool = False) -> ScaleSearch:
     """Grid search of α: the scales whose ``Q(W·s)/s`` weights best reproduce ``inspect()``'s outputs.
 
     ``inspect`` runs the inspected module on the search inputs with the linears' current
     weights; ``reference`` is its output with the original weights when the caller already
-    has it (recorded during the statistics pass), else ``inspect()`` computes it. The linears'
-    weights are restored before returning.
+    has it (recorded during the statistics pass), else ``inspect()`` computes it. With
+    ``coarse_to_fine`` only the steps of :func:`coarse_to_fine_steps` are evaluated (the others'
+    losses are NaN); the choice among the evaluated steps follows the same rule as the full grid
+    (the first strictly smallest loss in ascending α). The linears' weights are restored before
+    returning.
     """
     if grid < 1:
         raise SchemeError(f"quant.awq.grid={grid} must be at least 1")
@@ -105,28 +132,38 @@ def search_scales(linears: list[nn.Linear], quantize: list[bool], inspect: Calla
         reference = inspect()
     total = sum(r.numel() for r in reference)
     w_mean = weight_mean(originals, spec) if duo_scaling else None
-    best: tuple[float, Tensor, float] | None = None
-    losses = []
+    losses = [math.nan] * grid
+    candidates: dict[int, Tensor] = {}
+
+    def loss(step: int) -> float:
+        scales = candidate_scales(x_mean, step / grid, w_mean)
+        with small_ops_threads(x_mean.device):  # memory-bound element-wise passes
+            for linear, original, rounded in zip(linears, originals, quantize):
+                if rounded:
+                    scaled = fake_quantize(original.float() * scales, spec) / scales
+                    linear.weight.data = scaled.to(original.dtype)
+        error = sum(float((out.float() - ref.float()).pow(2).sum()) for out, ref in zip(inspect(), reference))
+        losses[step], candidates[step] = error / max(total, 1), scales
+        return losses[step]
+
     try:
-        for step in range(grid):
-            ratio = step / grid
-            scales = candidate_scales(x_mean, ratio, w_mean)
-            with small_ops_threads(x_mean.device):  # memory-bound element-wise passes
-                for linear, original, rounded in zip(linears, originals, quantize):
-                    if rounded:
-                        scaled = fake_quantize(original.float() * scales, spec) / scales
-                        linear.weight.data = scaled.to(original.dtype)
-            error = sum(float((out.float() - ref.float()).pow(2).sum()) for out, ref in zip(inspect(), reference))
-            losses.append(error / max(total, 1))
-            if best is None or losses[-1] < best[0]:
-                best = (losses[-1], scales, ratio)
+        if coarse_to_fine:
+            steps = coarse_to_fine_steps(grid, loss)
+        else:
+            steps = list(range(grid))
+            for step in steps:
+                loss(step)
     finally:
         for linear, original in zip(linears, originals):
             linear.weight.data = original
+    best: int | None = None
+    for step in steps:  # ascending α, strictly smaller wins: the full grid's rule
+        if best is None or losses[step] < losses[best]:
+            best = step
     assert best is not None
-    if not math.isfinite(best[0]):
+    if not math.isfinite(losses[best]):
         raise RuntimeError("AWQ: the scale search loss is not finite (NaN/Inf activations in this block)")
-    return ScaleSearch(scales=best[1], ratio=best[2], losses=losses)
+    return ScaleSearch(scales=candidates[best], ratio=best / grid, losses=losses)
 
 
 @torch.no_grad()
@@ -202,6 +239,12 @@ class AWQOutcome:
     input_scales: dict[str, Tensor]  # linear → s multiplied into its input columns
     output_scales: dict[str, Tensor]  # linear → s its output rows were divided by (it is a fold target)
     ratios: dict[str, float]  # "<block>.<prev>" → chosen α
+    losses: dict[str, list[float]] = field(default_factory=dict)  # "<block>.<prev>" → loss at each grid point
+    # Wall seconds summed over blocks: "statistics" (the full-precision forward on every batch, which also
+    # records the search inputs and reference outputs), "search" (the α grid), "clip_round" (clip search + RTN);
+    # cpu_seconds: the same phases in process CPU time (all threads).
+    seconds: dict[str, float] = field(default_factory=lambda: {"statistics": 0.0, "search": 0.0, "clip_round": 0.0})
+    cpu_seconds: dict[str, float] = field(default_factory=lambda: {"statistics": 0.0, "search": 0.0, "clip_round": 0.0})
 
 
 def _record(block: nn.Module, groups: list[LinearGroup], foldable: set[str],
@@ -280,6 +323,7 @@ def quantize_awq(model: nn.Module, scheme: QuantConfig, tokens: Tensor, device: 
             foldable = [g for g in adapter.foldable_groups(block) if g in groups]
             searching = [False]
             handles, captures = _record(block, groups, {g.prev for g in foldable}, searching)
+            clock = (time.perf_counter(), time.process_time())
             try:
                 outputs = []
                 for number, (states, extra) in enumerate(zip(hidden, inputs.extras[index])):
@@ -288,13 +332,31 @@ def quantize_awq(model: nn.Module, scheme: QuantConfig, tokens: Tensor, device: 
             finally:
                 for handle in handles:
                     handle.remove()
+            clock = _tick(outcome, "statistics", clock)
             _process_block(block, prefix, adapter, foldable, captures, targets, spec, settings, outcome)
+            clock = _tick(outcome, "search", clock)
             if apply_quantization:
                 _clip_and_round(prefix, adapter, groups, captures, block_targets, originals, scheme, settings,
                                 outcome, report)
+            _tick(outcome, "clip_round", clock)
             hidden = outputs
         progress.done(index)
+    searched_tokens = n_search * tokens.shape[1]
+    log.info("awq: %d blocks; wall (CPU) seconds: statistics pass %.1f (%.1f) on %d x %d tokens, alpha search %.1f "
+             "(%.1f) of grid %d x %d groups/block x %d tokens, clip + round %.1f (%.1f)", len(blocks),
+             outcome.seconds["statistics"], outcome.cpu_seconds["statistics"], *tokens.shape,
+             outcome.seconds["search"], outcome.cpu_seconds["search"], settings.grid,
+             len(adapter.foldable_groups(blocks[0])) if len(blocks) else 0, searched_tokens,
+             outcome.seconds["clip_round"], outcome.cpu_seconds["clip_round"])
     return outcome
+
+
+def _tick(outcome: AWQOutcome, phase: str, since: tuple[float, float]) -> tuple[float, float]:
+    """Add the wall and CPU seconds since ``since`` to ``phase``; returns the new (wall, CPU) stamp."""
+    now = (time.perf_counter(), time.process_time())
+    outcome.seconds[phase] += now[0] - since[0]
+    outcome.cpu_seconds[phase] += now[1] - since[1]
+    return now
 
 
 def _process_block(block: nn.Module, prefix: str, adapter: Adapter, groups: list[LinearGroup],
@@ -309,10 +371,12 @@ def _process_block(block: nn.Module, prefix: str, adapter: Adapter, groups: list
         result = search_scales(linears, [f"{prefix}.{n}" in targets for n in group.linears],
                                _inspector(block.get_submodule(group.inspect), capture.calls), x_mean, spec,
                                grid=settings.grid, duo_scaling=settings.duo_scaling,
+                               coarse_to_fine=settings.coarse_to_fine,
                                reference=capture.outputs if len(capture.outputs) == len(capture.calls) else None)
         capture.outputs = []  # free them
         found.append((group, linears, result))
         outcome.ratios[f"{prefix}.{group.prev}"] = result.ratio
+        outcome.losses[f"{prefix}.{group.prev}"] = result.losses
     for group, linears, result in found:
         prev = block.get_submodule(group.prev)
         fold_scales(prev, linears, result.scales, adapter.norm_offset)

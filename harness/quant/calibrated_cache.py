@@ -56,12 +56,15 @@ def scheme_identity(scheme: QuantConfig) -> dict[str, Any]:
     weights = _plain(scheme.weights)
     if isinstance(weights, dict) and weights.get("int_range") == "restricted":
         del weights["int_range"]  # the default grid: keys made before the option existed stay valid
+    settings = _plain(method_settings(scheme)) if spec.cacheable else None
+    if isinstance(settings, dict) and settings.get("coarse_to_fine") is False:
+        del settings["coarse_to_fine"]  # AWQ's full grid: keys made before the option existed stay valid
     identity = {
         "method": scheme.method,
         "weights": weights,
         "targets": list(scheme.targets),
         "keep": list(scheme.keep),
-        "settings": _plain(method_settings(scheme)) if spec.cacheable else None,
+        "settings": settings,
         "version": ALGORITHM_VERSION,
     }
     source = source_identity(scheme.calibration)

@@ -21,7 +21,8 @@ one Hessian and are solved as one stacked weight (:func:`_solve_stage`).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -189,6 +190,25 @@ def gptq_quantize_weight(weight: Tensor, hessian: Tensor, spec: TensorQuantConfi
     return GPTQResult(Q, damp_used, int(dead.sum()))
 
 
+@dataclass
+class GPTQTimes:
+    """Wall seconds of a whole-model GPTQ by phase: Hessian accumulation, solves, and the rest
+    (the calibration forward through the blocks, which the two others interrupt)."""
+
+    hessian: float = 0.0
+    solve: float = 0.0
+    total: float = 0.0
+    blocks: int = 0
+    per_block: list[float] = field(default_factory=list)
+
+    @property
+    def forward(self) -> float:
+        return self.total - self.hessian - self.solve
+
+
+LAST_TIMES = GPTQTimes()  # the phase split of the latest quantize_gptq in this process (benchmarks read it)
+
+
 @torch.no_grad()
 def quantize_gptq(model: nn.Module, scheme: QuantConfig, tokens: Tensor, device: torch.device | str,
                   report: QuantReport, *, batch_size: int = 8) -> list[str]:
@@ -209,6 +229,13 @@ def quantize_gptq(model: nn.Module, scheme: QuantConfig, tokens: Tensor, device:
     inputs = capture_block_inputs(model, adapter, make_batches(tokens, batch_size), device)
     hidden = inputs.hidden
     progress = BlockProgress("gptq", len(blocks))
+    times, started = GPTQTimes(blocks=len(blocks)), time.perf_counter()
+
+    def add_inputs(stage: int, x: Tensor) -> None:
+        begin = time.perf_counter()
+        accumulators[stage].add_batch(x)
+        times.hessian += time.perf_counter() - begin
+
     for index, block in enumerate(blocks):
         prefix = adapter.block_name(index)
         with block_on_device(block, device):
@@ -219,6 +246,7 @@ def quantize_gptq(model: nn.Module, scheme: QuantConfig, tokens: Tensor, device:
                             for names in stages]
 
             def quantize_stage(stage: int) -> None:
+                begin = time.perf_counter()
                 hessian = accumulators[stage].hessian()
                 accumulators[stage] = None  # free it
                 modules = [block.get_submodule(name) for name in stages[stage]]
@@ -229,10 +257,16 @@ def quantize_gptq(model: nn.Module, scheme: QuantConfig, tokens: Tensor, device:
                     report.add_layer(full, module.weight.data, result.quantized, bits_for(scheme, module))
                     module.weight.data.copy_(result.quantized.to(module.weight.dtype))
                     changed.append(f"{full}.weight")
+                times.solve += time.perf_counter() - begin
 
             hidden = staged_forward(block, hidden, inputs.extras[index], [block.get_submodule(n[0]) for n in stages],
-                                    lambda stage, x: accumulators[stage].add_batch(x), quantize_stage, device)
+                                    add_inputs, quantize_stage, device)
         progress.done(index)
+    times.total, times.per_block = time.perf_counter() - started, progress.block_seconds
+    global LAST_TIMES
+    LAST_TIMES = times
+    log.info("gptq: %d blocks in %.1fs: calibration forward %.1fs, Hessians %.1fs, solves %.1fs (%d x %d tokens)",
+             len(blocks), times.total, times.forward, times.hessian, times.solve, *tokens.shape)
     return changed
 
 

@@ -138,7 +138,7 @@ class OwnedLock:
                 if reason:
                     self._break(owner, reason)
                     continue
-                if not announced:
+                if not announced and self.timeout_s != 0:  # timeout 0 is one look, not a wait
                     log.info("waiting for %s (held by %s pid %s)", self.path, owner.get("host"), owner.get("pid"))
                     announced = True
             if self.timeout_s is not None and time.monotonic() - start > self.timeout_s:

@@ -5,10 +5,13 @@ reference side of a run):
 
 1. the slice is evaluated through the harness's lm-eval path (``evaluate.run_lm_eval``), timed;
 2. every request lm-eval made is replayed without lm-eval: generation requests as a prefill
-   of their prompts plus a greedy batch decode of as many tokens as lm-eval generated (the
-   longest reply of each batch: a batch decodes until its last member stops), multiple-choice
-   requests as one forward pass over context + continuation; same batch size, prompts sorted
-   by length as lm-eval sorts them. That is the model time the evaluation cannot go below.
+   of their prompts plus a greedy batch decode of as many tokens as each reply has (a row
+   leaves the batch when its reply is complete, as ``eval.generator=harness`` does; with
+   ``eval.generator=hf`` every row decodes until its batch's longest reply ends, as HF
+   ``generate`` does), multiple-choice requests as one forward pass over context +
+   continuation (with the harness generator: one pass over each shared context, then its
+   choices, as the evaluation scores them); same batch size, prompts sorted by length as lm-eval sorts them. That is the
+   model time the evaluation cannot go below.
 
 The ratio evaluation wall / pure model time is what lm-eval, HF ``generate`` and the slice's
 scoring add on top (goal <= 1.5). Accuracy is reported per task and per sub-slice (n, acc).
@@ -53,6 +56,7 @@ class Options:
 class Requests:
     generate: list[tuple[list[int], int]] = field(default_factory=list)  # (prompt ids, generated tokens)
     loglikelihood: list[list[int]] = field(default_factory=list)  # context + continuation ids
+    pairs: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (context, continuation) ids
 
 
 def collect_requests(results: dict, tokenizer: Any, max_length: int) -> Requests:
@@ -74,6 +78,7 @@ def collect_requests(results: dict, tokenizer: Any, max_length: int) -> Requests
                 else:  # loglikelihood: (context, continuation); the last token is not fed
                     continuation = tokenizer(args[1], add_special_tokens=False)["input_ids"]
                     out.loglikelihood.append((context + continuation)[-(max_length + 1):][:-1])
+                    out.pairs.append((context, continuation))
     return out
 
 
@@ -88,8 +93,13 @@ def _left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torc
 
 
 @torch.inference_mode()
-def pure_generate_s(model: Any, requests: list[tuple[list[int], int]], batch_size: int, pad: int) -> float:
-    """Prefill + greedy KV-cache decode of the same prompts and reply lengths, without lm-eval or ``generate``."""
+def pure_generate_s(model: Any, requests: list[tuple[list[int], int]], batch_size: int, pad: int,
+                    compact: bool = True) -> float:
+    """Prefill + greedy KV-cache decode of the same prompts and reply lengths, without lm-eval or ``generate``.
+
+    ``compact``: a row leaves the batch once it has its reply's tokens (what ``eval.generator=harness``
+    does); False: every row decodes until the batch's longest reply ends (HF ``generate``).
+    """
     from transformers import DynamicCache
 
     ordered = sorted(requests, key=lambda r: -len(r[0]))
@@ -101,14 +111,40 @@ def pure_generate_s(model: Any, requests: list[tuple[list[int], int]], batch_siz
         cache = DynamicCache()
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                        use_cache=True, logits_to_keep=1).logits
-        steps = max(n for _, n in batch)
-        for _ in range(steps - 1):  # the prefill already produced the first token
+        remaining = torch.tensor([n - 1 for _, n in batch])  # the prefill already produced the first token
+        if not compact:
+            remaining[:] = remaining.max()
+        while True:
+            keep = (remaining > 0).nonzero().flatten()
+            if len(keep) == 0:
+                break
+            if len(keep) < len(remaining):
+                cache.batch_select_indices(keep)
+                logits, mask, positions, remaining = logits[keep], mask[keep], positions[keep], remaining[keep]
             token = logits[:, -1].argmax(-1, keepdim=True)
             mask = torch.cat([mask, torch.ones_like(token)], dim=1)
             positions = positions[:, -1:] + 1
             logits = model(input_ids=token, attention_mask=mask, position_ids=positions, past_key_values=cache,
                            use_cache=True).logits
+            remaining -= 1
     return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def pure_shared_context_s(model: Any, pairs: list[tuple[list[int], list[int]]], batch_size: int, pad: int) -> float:
+    """The choices of one context scored after a single pass over it (``eval.generator=harness``)."""
+    from harness.generation import shared_context_logprobs
+
+    groups: dict[tuple[int, ...], list[list[int]]] = {}
+    for context, continuation in pairs:
+        groups.setdefault(tuple(context), []).append(continuation)
+    singles = [list(c) + conts[0] for c, conts in groups.items() if len(conts) < 2 or len(c) < 2]
+    start = time.perf_counter()
+    for context, conts in groups.items():
+        if len(conts) >= 2 and len(context) >= 2:
+            shared_context_logprobs(model, list(context), conts, pad_token_id=pad, device="cpu")
+    elapsed = time.perf_counter() - start
+    return elapsed + (pure_loglikelihood_s(model, [s[:-1] for s in singles], batch_size, pad) if singles else 0.0)
 
 
 @torch.inference_mode()
@@ -149,10 +185,14 @@ def bench_slice(loaded: models.LoadedModel, lm: Any, slice_: Slice, settings: ev
     pad = loaded.tokenizer.pad_token_id
     if not replay:
         repeats = 0
-    gen_s = 0.0 if not repeats else statistics.median(pure_generate_s(loaded.model, requests.generate, settings.batch_size, pad)
+    compact = settings.generator == "harness"
+    gen_s = 0.0 if not repeats else statistics.median(pure_generate_s(loaded.model, requests.generate, settings.batch_size, pad, compact)
                               for _ in range(repeats)) if requests.generate else 0.0
-    ll_s = 0.0 if not repeats else statistics.median(pure_loglikelihood_s(loaded.model, requests.loglikelihood, settings.batch_size, pad)
-                             for _ in range(repeats)) if requests.loglikelihood else 0.0
+    def ll_once() -> float:
+        if compact:
+            return pure_shared_context_s(loaded.model, requests.pairs, settings.batch_size, pad)
+        return pure_loglikelihood_s(loaded.model, requests.loglikelihood, settings.batch_size, pad)
+    ll_s = 0.0 if not repeats else statistics.median(ll_once() for _ in range(repeats)) if requests.loglikelihood else 0.0
     pure = gen_s + ll_s
     return {
         "eval_wall_s": round(wall, 2), "pure_model_s": round(pure, 2),

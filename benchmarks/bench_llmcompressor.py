@@ -46,7 +46,7 @@ from bench_gptq_awq import held_out_windows, layer_errors  # noqa: E402  (siblin
 from harness import divergence, models  # noqa: E402
 from harness.cache import Cache  # noqa: E402
 from harness.config import REPO_DIR, CalibrationConfig, compose, load_model_config  # noqa: E402
-from harness.quant import formats, gptq  # noqa: E402
+from harness.quant import gptq  # noqa: E402
 from harness.quant.base import QuantReport, target_linears, with_model_defaults  # noqa: E402
 from harness.quant.calibration import CalibrationContext  # noqa: E402
 from harness.quant.rtn import quantize_weights_rtn  # noqa: E402
@@ -67,25 +67,6 @@ def symmetric_grid(w: torch.Tensor, group: int, divisor: float, qmin: int, qmax:
     scale = g.abs().amax(dim=-1, keepdim=True) / divisor
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     return (torch.clamp(torch.round(g / scale), qmin, qmax) * scale).reshape(w.shape)
-
-
-class FullRangeGrid:
-    """Ablation only: a stand-in for ``harness.quant.formats`` inside ``harness.quant.gptq`` that puts the
-    harness's GPTQ on compressed-tensors' symmetric grid (s = amax / 7.5, codes -8..7) — what the
-    proposed ``int_range: full`` scheme option would do — so the grid and the algorithm separate."""
-
-    @staticmethod
-    def int_qparams(x: torch.Tensor, bits: int, *, symmetric: bool, dim: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        assert symmetric, "the ablation is for the symmetric W4A16 grid"
-        amax = x.float().abs().amax(dim=dim, keepdim=True)
-        scale = torch.where(amax > 0, amax / ((2 ** bits - 1) / 2), 1.0)
-        return scale, torch.full_like(scale, 2.0 ** (bits - 1))
-
-    @staticmethod
-    def int_fake_quant(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, *,
-                       symmetric: bool) -> torch.Tensor:
-        # codes clamp(round(x / s) + 2^(b-1), 0, 2^b - 1) - 2^(b-1) = clamp(round(x / s), -2^(b-1), 2^(b-1) - 1)
-        return formats.int_fake_quant(x, scale, zero, bits, symmetric=False)
 
 
 def scheme(name: str, overrides: list[str], ragged: bool) -> Any:
@@ -177,13 +158,11 @@ def run(args: argparse.Namespace, work: Path) -> dict:
     if args.ablation:
         print("harness GPTQ on compressed-tensors' grid (ablation) ...", flush=True)
         model = copy.deepcopy(reference)
-        gptq.formats = FullRangeGrid  # type: ignore[assignment]
-        try:
-            stats, _ = timed(lambda: gptq.quantize_gptq(model, gptq_spec, tokens, "cpu",
-                                                        QuantReport(scheme="gptq_w4g64_ctgrid", method="gptq"),
-                                                        batch_size=8))
-        finally:
-            gptq.formats = formats
+        ct_spec = scheme("gptq_w4g128", [f"quant.weights.group_size={GROUP}", "quant.weights.int_range=full",
+                                         "quant.name=gptq_w4g64_ctgrid"], model_cfg.ragged_groups)
+        stats, _ = timed(lambda: gptq.quantize_gptq(model, ct_spec, tokens, "cpu",
+                                                    QuantReport(scheme="gptq_w4g64_ctgrid", method="gptq"),
+                                                    batch_size=8))
         ours["gptq_ctgrid"] = ({n: model.get_submodule(n).weight.detach().clone() for n in names}, stats)
     del model
     if args.overlap:
@@ -238,7 +217,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         "gptq_layers_where_harness_error_is_lower": wins,
         "calibration": {"samples": args.samples, "seq_len": args.seq_len, "hash": context.calibration_hash},
         "held_out": {"windows": args.held_out, "seq_len": args.seq_len}, "overlap": args.overlap,
-        "ablation_gptq_ctgrid": "harness GPTQ with formats swapped for FullRangeGrid" if args.ablation else None,
+        "ablation_gptq_ctgrid": "harness GPTQ with quant.weights.int_range=full (compressed-tensors' grid)" if args.ablation else None,
         "peer": {k: peer_gptq["info"].get(k) for k in ("versions", "observers", "damp", "block_size", "actorder",
                                                         "batch_size", "weights_stored_dequantized")},
         "harness_gptq": {"damp_percent": gptq_spec.gptq.damp_percent, "block_size": gptq_spec.gptq.block_size,

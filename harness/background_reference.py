@@ -16,14 +16,16 @@ enough to hold twice, and at least one reference missing), ``true`` or ``false``
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
 import queue as queue_module
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
-from harness import models
+from harness import models, resources
 from harness.cache import Cache
 from harness.config import RunConfig
 from harness.identity import reference_key
@@ -41,14 +43,21 @@ class Background:
     process: Any
     slices: list[str]  # the references the child holds the locks of
     threads: tuple[int, int]  # (this process, the child)
+    done: Any  # the queue the child reports its tokens, seconds and memory on
 
-    def join(self) -> None:
+    def join(self) -> dict[str, Any] | None:
+        """Wait for the child; its report (None if it sent none)."""
+        try:
+            report = self.done.get(timeout=60)
+        except queue_module.Empty:
+            report = None
         self.process.join(timeout=60)
         if self.process.is_alive():
             log.warning("reference process %s still running after its references were read; stopping it",
                         self.process.pid)
             self.process.terminate()
             self.process.join()
+        return report
 
 
 def _weight_bytes(model: Any) -> int:
@@ -89,8 +98,8 @@ def start(cfg: RunConfig, loaded: models.LoadedModel, slices: list[Slice], cache
 
     child_threads = threads // 2
     context = mp.get_context("spawn")  # a fresh interpreter: no forked torch thread pools or locks
-    ready = context.Queue()
-    process = context.Process(target=_child, args=(cfg, missing, child_threads, ready), daemon=True,
+    ready, done = context.Queue(), context.Queue()
+    process = context.Process(target=_child, args=(cfg, missing, child_threads, ready, done), daemon=True,
                               name="harness-reference")
     process.start()
     try:
@@ -106,21 +115,48 @@ def start(cfg: RunConfig, loaded: models.LoadedModel, slices: list[Slice], cache
     torch.set_num_threads(threads - child_threads)
     log.info("reference of %s in a second process (pid %d, %d thread(s)); this one evaluates with %d (%s)",
              ", ".join(held), process.pid, child_threads, threads - child_threads, why)
-    return Background(process, held, (threads - child_threads, child_threads))
+    return Background(process, held, (threads - child_threads, child_threads), done)
 
 
-def finish(background: Background | None, threads: int) -> None:
-    """Wait for the child (its references have been read) and take all threads back."""
+def collect(background: Background | None, meter: resources.StageMeter) -> dict[str, Any]:
+    """Wait for the child (its references have been read); its tokens and seconds become the job's
+    ``reference`` stage in ``meter`` (throughput in summary.json). Returns what summary.json's
+    ``runtime`` records of it."""
     if background is None:
-        return
+        return {"reference_process": []}
+    report = background.join() or {}
+    if report.get("stage"):
+        use = meter.stages.setdefault("reference", resources.StageUse())
+        child = resources.StageUse(**report["stage"])
+        use.seconds += child.seconds
+        use.prefill_tokens += child.prefill_tokens
+        use.generated_tokens += child.generated_tokens
+    return {"reference_process": background.slices, "reference_process_threads": background.threads[1],
+            "reference_process_rss_peak_gb": report.get("rss_peak_gb")}
+
+
+@contextlib.contextmanager
+def scoring_threads(background: Background | None, threads: int) -> Iterator[None]:
+    """The child's thread count while the candidate is scored against what the child computed.
+
+    CPU matmuls sum in an order that depends on the thread count, so the divergence stage uses
+    the threads the reference was scored with: a null scheme then gives a KL of exactly 0, as in
+    a job that computed its reference itself. All threads again afterwards.
+    """
     import torch
 
-    background.join()
-    torch.set_num_threads(threads)
+    if background is not None:
+        torch.set_num_threads(background.threads[1])
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
-def _child(cfg: RunConfig, slice_names: list[str], threads: int, ready: Any) -> None:
-    """The second process: take the references' locks, say which, compute them."""
+def _child(cfg: RunConfig, slice_names: list[str], threads: int, ready: Any, done: Any) -> None:
+    """The second process: take the references' locks, say which, compute them, report the cost."""
+    import time
+
     import torch
 
     from harness.reference_stage import compute_reference
@@ -148,6 +184,10 @@ def _child(cfg: RunConfig, slice_names: list[str], threads: int, ready: Any) -> 
         ready.put(RuntimeError(f"{type(exc).__name__}: {exc}"))
         return
     ready.put([s.name for s in mine])
+    meter = resources.StageMeter()
+    meter.watch(loaded.model)
+    meter.begin("reference")
+    start = time.perf_counter()
     for slice_, lock in zip(mine, locks):
         try:
             compute_reference(loaded, slice_, cfg, cache)
@@ -155,3 +195,5 @@ def _child(cfg: RunConfig, slice_names: list[str], threads: int, ready: Any) -> 
             log.exception("reference for slice %s failed in the reference process; the job computes it", slice_.name)
         finally:
             lock.release()
+    meter.end("reference", time.perf_counter() - start)
+    done.put({"stage": dataclasses.asdict(meter.stages["reference"]), "rss_peak_gb": resources.host_rss_peak_gb()})

@@ -133,9 +133,12 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
         with timings.stage("reference_wait"):
             references.update(deferred_references(loaded, deferred, cfg, cache))
         references = {s.name: references[s.name] for s in checked.slices}
-    background_reference.finish(background, runtime["threads"])  # all threads again for the divergence
+    runtime.update(background_reference.collect(background, timings.meter))
+    if background is not None:  # read from the cache, but computed for this job
+        references = {name: dataclasses.replace(r, cached=False) if name in background.slices else r
+                      for name, r in references.items()}
     references = share_heads(references)  # the frozen head lives once per run, not once per slice
-    with timings.stage("divergence"):
+    with timings.stage("divergence"), background_reference.scoring_threads(background, runtime["threads"]):
         tokens = pd.concat([divergence.compare_to_reference(loaded.model, references[s.name].texts, s.name)
                             for s in checked.slices], ignore_index=True)
 
@@ -149,7 +152,7 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     capacity_ledger = capacity(loaded, quant_report, cfg)
     result = summary_record(cfg, key, comparison, quant_report, references, evaluated, timings, loaded)
     result["quant"].update(capacity_ledger.metrics())
-    result["runtime"] = {**runtime, "reference_process": background.slices if background else []}
+    result["runtime"] = runtime
     result["candidate"] = candidate_params
     result["reference_deferred"] = [s.name for s in deferred]  # read after evaluating: another job computed it
     long_generation = longgen.for_run(items, loaded.tokenizer)

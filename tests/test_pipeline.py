@@ -70,7 +70,7 @@ def test_run_leaves_the_callers_config_as_given_and_writes_summary_once(make_cfg
     assert writes.count("summary.json") == 1 and writes[-1] == "summary.json"
     on_disk = json.loads((next((tmp_path / "results").glob("*")) / "summary.json").read_text())
     assert on_disk["metrics"] == result["metrics"] and "write" in on_disk["timings"]
-    assert on_disk["runtime"] == {"threads": 1, "threads_from": "runtime.threads"} and torch.get_num_threads() == 1
+    assert on_disk["runtime"] == {"threads": 1, "threads_from": "runtime.threads", "reference_process": []} and torch.get_num_threads() == 1
 
 
 def test_records_are_on_disk_before_statistics_fail(make_cfg, tmp_path, monkeypatch):

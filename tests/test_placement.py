@@ -36,8 +36,10 @@ def test_split_places_later_modules_on_disk(shared_model_cache, tmp_path):
 
 @pytest.mark.parametrize("scheme", ["none", "kv8"])
 def test_split_run_matches_the_unsplit_run_item_for_item(make_cfg, tmp_path, scheme):
-    whole = run_mod.run(make_cfg(*TINY_MATH, f"quant={scheme}", "tracking.enabled=false"))
-    split = run_mod.run(make_cfg(*TINY_MATH, f"quant={scheme}", "tracking.enabled=false", *SPLIT,
+    # One thread in both: CPU matmuls sum in a thread-count-dependent order, and a CPU job with more
+    # threads would also move its reference to a second process (harness.background_reference).
+    whole = run_mod.run(make_cfg(*TINY_MATH, f"quant={scheme}", "tracking.enabled=false", "runtime.threads=1"))
+    split = run_mod.run(make_cfg(*TINY_MATH, f"quant={scheme}", "tracking.enabled=false", "runtime.threads=1", *SPLIT,
                                  f"paths.results_dir={tmp_path / 'split'}"))
     assert split["reference_cached"] == {"math": False}  # the split model computed its own reference
     a = pd.read_parquet(next((tmp_path / "results").glob("*")) / "items.parquet").set_index("item_id").sort_index()

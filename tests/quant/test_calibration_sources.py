@@ -24,6 +24,9 @@ from tests.conftest import USER_CACHE
 OFFLINE = ("prose", "code", "multilingual", "math")
 # On main before sources existed: calibrated_key("m", <preset>, "h") and the default windows' token hash.
 MAIN_KEYS = {"gptq_w4g128": "814ff5ecf0ff7c13558b6381", "awq_w4g128": "e0c852b270393a14375acbfa"}
+# AWQ's defaults changed since (search_samples 8 -> 4, coarse-to-fine grid): its keys from before
+# are those of the old settings, which must still find their cache entries.
+BEFORE = {"awq_w4g128": ("quant.awq.search_samples=8", "quant.awq.coarse_to_fine=false")}
 MAIN_DEFAULT_WINDOWS = {"python": (3, 11), "num_samples": 4, "seq_len": 64, "hash": "5bdde8c9eb014472"}
 
 
@@ -72,8 +75,10 @@ def test_default_windows_are_unchanged_from_before_sources(tokenizer):
 @pytest.mark.parametrize("preset", sorted(MAIN_KEYS))
 def test_default_cache_key_is_unchanged_and_every_source_has_its_own(preset):
     assert CalibrationConfig().source == "offline"
+    before = BEFORE.get(preset, ())
+    assert calibrated_key("m", scheme(preset, *before), "h") == MAIN_KEYS[preset]
     default = calibrated_key("m", scheme(preset), "h")
-    assert default == MAIN_KEYS[preset]
+    assert (default == MAIN_KEYS[preset]) == (not before)  # new AWQ defaults: new entries
     assert calibrated_key("m", scheme(preset, "quant.calibration.source=prose"), "h") == default
     # Same token hash on purpose: the source itself separates the entries.
     keys = {s: calibrated_key("m", scheme(preset, f"quant.calibration.source={s}"), "h") for s in OFFLINE}

@@ -138,7 +138,7 @@ def pure_shared_context_s(model: Any, pairs: list[tuple[list[int], list[int]]], 
     groups: dict[tuple[int, ...], list[list[int]]] = {}
     for context, continuation in pairs:
         groups.setdefault(tuple(context), []).append(continuation)
-    singles = [list(c) + conts[0] for c, conts in groups.items() if len(conts) < 2 or len(c) < 2]
+    singles = [list(c) + cont for c, conts in groups.items() if len(conts) < 2 or len(c) < 2 for cont in conts]
     start = time.perf_counter()
     for context, conts in groups.items():
         if len(conts) >= 2 and len(context) >= 2:

@@ -9,6 +9,7 @@ the model's response, so two models' records join on the item id.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import sqlite3
@@ -60,6 +61,7 @@ def make_lm(model: Any, tokenizer: Any, settings: EvalSettings, *, checkpoint: s
                max_length=settings.max_length, device=settings.device)
 
 
+@functools.cache
 def _harness_hflm() -> type:
     """HFLM whose greedy ``generate_until`` batches decode with :func:`harness.generation.greedy_generate`.
 

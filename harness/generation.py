@@ -66,10 +66,10 @@ def greedy_generate(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
     if stop and decode is None:
         raise ValueError("greedy_generate: stop strings need a decode function")
     eos = _eos_ids(model) if eos_token_ids is None else set(eos_token_ids)
-    batch, width = input_ids.shape
-    out = torch.full((batch, max_new_tokens), pad_token_id, dtype=input_ids.dtype, device=input_ids.device)
     if max_new_tokens <= 0:
         return input_ids
+    batch = input_ids.shape[0]
+    out = torch.full((batch, max_new_tokens), pad_token_id, dtype=input_ids.dtype, device=input_ids.device)
     mask = attention_mask.to(input_ids.device).long()
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
     cache = _new_cache(model)
@@ -83,13 +83,13 @@ def greedy_generate(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
         token = logits.argmax(-1)
         out[rows, steps] = token
         steps += 1
-        done = []
+        keep = []
         for i, (row, tok) in enumerate(zip(rows.tolist(), token.tolist())):
             replies[row].append(tok)
-            if tok in eos or steps >= max_new_tokens or (stop and any(s in decode(replies[row]) for s in stop)):
-                done.append(i)
-        if done:
-            keep = [i for i in range(len(rows)) if i not in set(done)]
+            finished = tok in eos or steps >= max_new_tokens or (stop and any(t in decode(replies[row]) for t in stop))
+            if not finished:
+                keep.append(i)
+        if len(keep) < len(rows):
             if not keep:
                 break
             index = torch.tensor(keep, device=rows.device)

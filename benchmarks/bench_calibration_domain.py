@@ -37,7 +37,7 @@ from harness import cli
 
 log = logging.getLogger("bench_calibration_domain")
 RESULTS = Path(__file__).resolve().parent / "results"
-COLUMNS = ("acc_ref", "acc_quant", "flips_right_to_wrong", "flips_wrong_to_right", "mcnemar_p", "kl_mean", "kl_se",
+COLUMNS = ("acc_ref", "acc_quant", "flips_right_to_wrong", "flips_wrong_to_right", "delta_p", "kl_mean", "kl_se",
            "top1_agree")
 
 
@@ -97,7 +97,7 @@ def head_to_head(base: pd.DataFrame, other: pd.DataFrame, slice_name: str, n_res
     # paired_compare's "ref" is the baseline source here: its flips are the items only one source gets right.
     return {"n": result.n, "acc_diff": result.delta, "ci_low": result.delta_ci[0], "ci_high": result.delta_ci[1],
             "other_only_right": result.flips_wrong_to_right, "base_only_right": result.flips_right_to_wrong,
-            "mcnemar_p": result.mcnemar_p}
+            "delta_p": result.delta_p}
 
 
 def kl_difference(base: pd.DataFrame, other: pd.DataFrame, slice_name: str, n_resamples: int = 2000,
@@ -172,7 +172,7 @@ def _body(parsed: cli.Parsed[Options]) -> int:
     print(_format(table, ["scheme", "source", "slice", *COLUMNS, "wall_s"]))
     print()
     print(_format(pairs, ["scheme", "source", "vs", "slice", "n", "acc_diff", "ci_low", "ci_high",
-                          "other_only_right", "base_only_right", "mcnemar_p", "kl_diff", "kl_ci_low", "kl_ci_high"]))
+                          "other_only_right", "base_only_right", "delta_p", "kl_diff", "kl_ci_low", "kl_ci_high"]))
     Path(options.out).parent.mkdir(parents=True, exist_ok=True)
     Path(options.out).write_text(json.dumps({
         "options": options.__dict__, "jobs": {f"{s}@{c}": {"overrides": job_overrides(options, s, c),

@@ -1,31 +1,42 @@
 """``python -m harness.gate <results dir or sweep dir> [gate.margin=0.02 gate.margins.code=0.05 ...]``.
 
 The ship / no-ship decision. For every finished run (``results/<run>/``: summary.json, the paired
-per-item table items.parquet, the resolved config.json) and every slice, the paired
-non-inferiority test of :mod:`harness.stats` at the slice's margin, with the run's multiple-comparison
-correction over the gated slices, decides:
+per-item table items.parquet, the resolved config.json) and every slice, one inference — the
+clustered paired score test of :mod:`harness.stats.score` — yields the interval that is printed and
+the outcome read off it, at the slice's margin m and the gate's one-sided level α:
 
-* **pass**: non-inferiority shown (H0 Δ ≤ −margin rejected at ``alpha`` after the correction);
-* **fail**: inferiority shown (H0 Δ ≥ −margin rejected), or a significant drop (CI of Δ below 0
-  and McNemar's corrected p < alpha) for which non-inferiority cannot be shown;
-* **inconclusive**: the data cannot tell. Reasons: too few items (``min_items``), too few clusters
+* **pass**: the lower bound of the printed 1 - 2α interval (90 % at α = 0.05) lies above -m:
+  non-inferiority shown at level α. A run passes when every gated slice passes: an
+  intersection-union test, so each slice at level α gives level α for the ship decision with no
+  adjustment over slices (the least favourable case, one slice at Δ = -m and the rest clearly
+  fine, is simulated by ``benchmarks/bench_gate_oc.py``).
+* **fail**: inferiority beyond the margin shown: the upper bound of the same statistic's
+  1 - 2α/k interval lies below -m, Bonferroni over the k gated slices (``correction=none``:
+  k = 1), printed beside the verdict. A slice whose 1 - 2α interval lies wholly above -m never fails.
+* **inconclusive**: anything else. Reasons: too few items (``min_items``), too few clusters
   (``min_clusters``), the reference near the floor or chance (accuracy − chance < ``min_headroom``:
   a slice the reference mostly gets wrong cannot show a loss; checked before a pass, not before a
-  fail), or neither test rejects (the MDE at 80 % power exceeding the margin is then named, with
-  ``n_needed``, the items that would settle it).
+  fail), or the interval straddles -m. Then ``n_needed`` is the number of items that would give
+  80 % power if the true Δ were 0 (at the slice's observed discordance and design effect), or
+  "cannot be settled by more items" when the estimate itself is at or beyond -m.
+
+The false-pass rate at Δ = -m and the power at Δ = 0 and -m/2 of this rule, over sizes, cluster
+structures, accuracies, flip patterns and partial credit, are in the README (bench_gate_oc).
 
 Optional token-level gates compare the run's per-slice ``kl_mean`` / ``top1_agree`` point
 estimates with ``gate.token`` (every slice) or ``gate.token_slices.<slice>`` limits; a slice
 without token rows is inconclusive on them. A slice's outcome is its worst criterion (fail >
 inconclusive > pass), a run's its worst slice.
 
-A directory of runs (``paths.results_dir`` of a sweep) gates each run; ``model=<name>`` and
-``sweep=<harness.sweep_id>`` pick runs from a directory that holds several models or sweeps.
+A directory of runs (``paths.results_dir`` of a sweep) gates each run (each run its own
+decision); ``model=<name>`` and ``sweep=<harness.sweep_id>`` pick runs from a directory that holds
+several models or sweeps, before any run is loaded (from the run.json a job writes when it starts).
 
 Exit status: 0 every slice passes, 1 any fails, 2 none fails but some are inconclusive, 3 bad input
-(unfinished run, runs of different models, margin outside (0, 1), unknown option, ...).
-Writes ``gate.json`` and ``gate.xml`` (JUnit: one test case per slice and criterion, inconclusive as
-skipped, the numbers in the message) into the given directory, or ``out=``.
+(unfinished or corrupt run, NaN scores, runs of different models, margin outside (0, 1), unknown
+option, ...: one line naming the file and the fix). Writes ``gate.json`` and ``gate.xml`` (JUnit:
+one test case per slice and criterion, inconclusive as skipped, the numbers in the message) into
+the given directory, or ``out=``.
 """
 from __future__ import annotations
 
@@ -138,8 +149,45 @@ def find_runs(path: Path) -> list[Path]:
     return runs
 
 
+_SCORE_COLUMNS = ("correct_ref", "correct_quant")
+_ITEM_COLUMNS = ("slice", *_SCORE_COLUMNS)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise GateInputError(f"{path} is not readable JSON ({type(exc).__name__}: {exc}): the file was truncated or "
+                             "edited; rerun the job with force=true to rewrite it, or leave its directory out") from None
+    if not isinstance(value, dict):
+        raise GateInputError(f"{path} holds a {type(value).__name__}, not the JSON object a job writes; rerun the job "
+                             "with force=true, or leave its directory out")
+    return value
+
+
+def _read_items(path: Path) -> pd.DataFrame:
+    try:
+        items = pd.read_parquet(path)
+    except Exception as exc:  # pyarrow raises several types for truncated / foreign files
+        raise GateInputError(f"{path} is not a readable parquet table ({type(exc).__name__}: {str(exc)[:120]}): the "
+                             "file was truncated or replaced; rerun the job with force=true to rewrite it") from None
+    missing = [c for c in _ITEM_COLUMNS if c not in items.columns]
+    if missing:
+        raise GateInputError(f"{path} lacks the column(s) {missing} the paired test needs (has {list(items.columns)}); "
+                             "it was not written by this harness version: rerun the job with force=true")
+    for column in _SCORE_COLUMNS:
+        values = pd.to_numeric(items[column], errors="coerce").to_numpy(float)
+        bad = ~np.isfinite(values) | (values < 0) | (values > 1)
+        if bad.any():
+            first = items.iloc[int(np.flatnonzero(bad)[0])]
+            raise GateInputError(f"{path}: {int(bad.sum())} row(s) of {column} are not scores in [0, 1] (NaN or out "
+                                 f"of range; first: slice {first['slice']!r}, value {first[column]!r}); the job did "
+                                 "not score those items: rerun it with force=true, or drop them and gate again")
+    return items
+
+
 def load_run(directory: Path) -> RunResults:
-    """A finished run; an unfinished one (no summary.json, written last) is refused."""
+    """A finished run; an unfinished one (no summary.json, written last) or a corrupt one is refused."""
     if not (directory / "summary.json").exists():
         raise GateInputError(f"{directory} is not a finished run (no summary.json, which a job writes last): let the "
                              "job finish, or rerun it (it resumes from its checkpoint), then gate again")
@@ -147,10 +195,30 @@ def load_run(directory: Path) -> RunResults:
     if missing:
         raise GateInputError(f"{directory} has summary.json but not {', '.join(missing)} (an older harness version or "
                              "removed files): the paired test needs the per-item table; rerun the job with force=true")
-    summary = json.loads((directory / "summary.json").read_text())
-    config = json.loads((directory / "config.json").read_text())
-    items = pd.read_parquet(directory / "items.parquet")
+    summary = _read_json(directory / "summary.json")
+    config = _read_json(directory / "config.json")
+    items = _read_items(directory / "items.parquet")
     return RunResults(directory, summary, config, items)
+
+
+def _lenient_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def run_identity(directory: Path) -> dict[str, Any]:
+    """Model name and sweep id of a run directory without loading it (for the filters): from
+    config.json and summary.json when readable, else the run.json a job writes when it starts."""
+    started = _lenient_json(directory / "run.json")
+    config = _lenient_json(directory / "config.json")
+    summary = _lenient_json(directory / "summary.json")
+    model = (config.get("model") or {}).get("name") or started.get("model")
+    sweep_id = ((summary.get("tags") or {}).get(SWEEP_TAG) or ((config.get("tracking") or {}).get("tags") or {})
+                .get(SWEEP_TAG) or started.get("sweep_id"))
+    return {"model": model, "sweep_id": None if sweep_id is None else str(sweep_id)}
 
 
 def check_same_model(runs: list[RunResults]) -> None:
@@ -217,76 +285,86 @@ def slice_chance(cfg: GateConfig, slice_name: str, items: pd.DataFrame) -> float
 
 
 def accuracy_criteria(run: RunResults, cfg: GateConfig) -> list[Criterion]:
-    """The non-inferiority decision of every gated slice of one run (corrected across those slices)."""
+    """The accuracy decision of every gated slice of one run (module docstring: the ship rule).
+
+    Each slice's interval is the clustered score interval of :mod:`harness.stats` at level
+    1 - 2α, the one printed: pass ⇔ its lower bound > -margin. The fail claim (Δ < -margin)
+    is read off the same statistic's upper bound at level 1 - 2α/k, Bonferroni over the k gated
+    slices (``correction=none``: k = 1), also printed.
+    """
     compare = run.config.get("compare", {})
     default_margin = cfg.margin if cfg.margin is not None else float(compare.get("margin", 0.02))
     correction = cfg.correction or compare.get("correction", "holm")
     items = run.items
     slices = [s for s in sorted(items["slice"].unique()) if not cfg.slices or s in cfg.slices]
-    rows = []
+    family = 1 if correction == "none" else max(1, len(slices))
+    out = []
     for name in slices:
         group = items[items["slice"] == name]
         margin = float(cfg.margins.get(name, default_margin))
-        # The same call (and bootstrap seed) as the run's own per-slice row in item_stats, at this margin.
-        row = stats.compare_frame(group, by=["slice"], cluster_col="cluster", n_resamples=int(compare.get("n_resamples", 2000)),
-                                  seed=int(compare.get("seed", 0)), ci_level=float(compare.get("ci_level", 0.95)),
-                                  margin=margin, alpha=cfg.alpha, correction="none").iloc[0].to_dict()
-        scores = np.concatenate([group["correct_ref"].to_numpy(float), group["correct_quant"].to_numpy(float)])
-        row["binary"] = bool(np.all((scores == 0) | (scores == 1)))
-        row["chance"] = slice_chance(cfg, name, group)
-        rows.append(row)
-    if not rows:
-        return []
-    p_ni = np.array([np.nan if r["noninferiority_p"] is None else r["noninferiority_p"] for r in rows], dtype=float)
-    p_ni_adj = stats.adjust_pvalues(p_ni, correction)
-    p_inf_adj = stats.adjust_pvalues(1.0 - p_ni, correction)  # H0 Δ >= -margin: the same t statistic
-    mcnemar_adj = stats.adjust_pvalues(np.array([r["mcnemar_p"] for r in rows], dtype=float), correction)
-    return [_accuracy_decision(row, cfg, correction, float(a), float(b), float(c))
-            for row, a, b, c in zip(rows, p_ni_adj, p_inf_adj, mcnemar_adj)]
+        clusters = group["cluster"].to_numpy(dtype=object) if "cluster" in group else None
+        ref, quant = group["correct_ref"].to_numpy(float), group["correct_quant"].to_numpy(float)
+        shown = stats.paired_compare(ref, quant, clusters=clusters, n_resamples=int(compare.get("n_resamples", 2000)),
+                                     seed=int(compare.get("seed", 0)), ci_level=1 - 2 * cfg.alpha, margin=margin,
+                                     min_clusters=1)
+        fail_level = 1 - 2 * cfg.alpha / family
+        codes = stats.paired.cluster_codes(clusters, len(group))
+        fail_high = stats.score_test(quant - ref, codes).interval(fail_level)[1]
+        row = shown.to_dict()
+        row.update(slice=name, chance=slice_chance(cfg, name, group), fail_ci_high=fail_high, fail_level=fail_level,
+                   family=family)
+        out.append(_accuracy_decision(row, cfg, correction))
+    return out
 
 
-def _accuracy_decision(row: dict[str, Any], cfg: GateConfig, correction: str, p_ni_adj: float, p_inf_adj: float,
-                       mcnemar_adj: float) -> Criterion:
+def _accuracy_decision(row: dict[str, Any], cfg: GateConfig, correction: str) -> Criterion:
     margin, n, clusters = float(row["margin"]), int(row["n"]), int(row["n_clusters"])
     headroom = float(row["acc_ref"]) - row["chance"]
-    significant_drop = row["delta_ci_high"] < 0 and (mcnemar_adj < cfg.alpha or not row["binary"]) and clusters >= 2
-    noninferior = p_ni_adj < cfg.alpha
+    low, high, fail_high = row["delta_ci_low"], row["delta_ci_high"], row["fail_ci_high"]
+    level = 100 * (1 - 2 * cfg.alpha)
+    family = int(row["family"])
     reasons: list[str] = []
     if n < cfg.min_items:
         reasons.append(f"too few items ({n} < gate.min_items={cfg.min_items})")
     if clusters < cfg.min_clusters:
         reasons.append(f"too few clusters ({clusters} < gate.min_clusters={cfg.min_clusters})")
+    adjusted = f"{100 * row['fail_level']:.4g} % upper bound, Bonferroni over {family} slices" if family > 1 else \
+        f"{level:.4g} % upper bound"
     if reasons:
         outcome = INCONCLUSIVE
-    elif p_inf_adj < cfg.alpha:
-        outcome, reasons = FAIL, [f"worse beyond the margin (inferiority p_adj={_fmt(p_inf_adj, '.3g')})"]
-    elif significant_drop and not noninferior:
-        outcome, reasons = FAIL, [f"significant drop (McNemar p_adj={_fmt(mcnemar_adj, '.3g')}) and non-inferiority "
-                                  f"not shown (p_adj={_fmt(p_ni_adj, '.3g')})"]
-    elif headroom < cfg.min_headroom:
+    elif fail_high < -margin:
+        outcome = FAIL
+        reasons = [f"worse beyond the margin: {adjusted} {100 * fail_high:+.1f} pt < -{100 * margin:.1f} pt"]
+    elif low > -margin and headroom < cfg.min_headroom:
         outcome = INCONCLUSIVE
         reasons = [f"reference near floor/chance (acc_ref {row['acc_ref']:.3f} - chance {row['chance']:.3f} = "
                    f"{headroom:.3f} < gate.min_headroom={cfg.min_headroom}): it cannot show a loss"]
-    elif noninferior:
+    elif low > -margin:
         outcome = PASS
     else:
         outcome = INCONCLUSIVE
-        reasons = [f"non-inferiority not shown (p_adj={_fmt(p_ni_adj, '.3g')})"]
+        reasons = [f"non-inferiority not shown: lower bound {100 * low:+.1f} pt <= -{100 * margin:.1f} pt"]
+        if fail_high >= -margin and high < 0:
+            reasons.append("a drop is shown, its size against the margin is not")
         if row["mde"] > margin:
             reasons.append(f"MDE {row['mde']:.3f} exceeds the margin {margin:.3f}")
-    # More items settle it unless the reference is at the floor or the items sit in too few clusters.
-    settles = outcome == INCONCLUSIVE and headroom >= cfg.min_headroom and clusters >= cfg.min_clusters
+    # More items settle it unless Δ̂ is at/beyond the margin, the reference is at the floor, or clusters are few.
+    settleable = bool(row["settleable"])
+    settles = outcome == INCONCLUSIVE and settleable and headroom >= cfg.min_headroom and clusters >= cfg.min_clusters
+    if outcome == INCONCLUSIVE and not settleable and not any(r.startswith("too few") for r in reasons):
+        reasons.append(f"cannot be settled by more items: Δ̂ {100 * row['delta']:+.1f} pt is at or beyond the margin")
     numbers = {key: _plain(row[key]) for key in ("n", "n_clusters", "acc_ref", "acc_quant", "delta", "delta_ci_low",
-                                                 "delta_ci_high", "delta_se", "flips_right_to_wrong",
-                                                 "flips_wrong_to_right", "mcnemar_p", "noninferiority_p", "mde")}
-    numbers.update({"margin": margin, "alpha": cfg.alpha, "correction": correction, "chance": row["chance"],
-                    "headroom": headroom, "noninferiority_p_adj": _plain(p_ni_adj),
-                    "inferiority_p_adj": _plain(p_inf_adj), "mcnemar_p_adj": _plain(mcnemar_adj),
+                                                 "delta_ci_high", "delta_se", "delta_p", "design_effect",
+                                                 "flips_right_to_wrong", "flips_wrong_to_right", "noninferiority_p",
+                                                 "inferiority_p", "mde", "fail_ci_high", "fail_level")}
+    numbers.update({"margin": margin, "alpha": cfg.alpha, "ci_level": 1 - 2 * cfg.alpha, "correction": correction,
+                    "family": family, "chance": row["chance"], "headroom": headroom, "settleable": settleable,
                     "n_needed": _plain(row["n_needed"]) if settles else None})
-    message = (f"{outcome}: delta {100 * row['delta']:+.1f} pt [{100 * row['delta_ci_low']:+.1f}, "
-               f"{100 * row['delta_ci_high']:+.1f}] vs margin -{100 * margin:.1f} pt; acc_ref {row['acc_ref']:.3f}, "
-               f"n={n}, clusters={clusters}, non-inferiority p_adj={_fmt(p_ni_adj, '.3g')} ({correction}), "
-               f"MDE {100 * row['mde']:.1f} pt" + (f", n_needed={numbers['n_needed']}" if settles else "")
+    message = (f"{outcome}: delta {100 * row['delta']:+.1f} pt, {level:.4g} % CI [{100 * low:+.1f}, {100 * high:+.1f}] "
+               f"vs margin -{100 * margin:.1f} pt ({adjusted} {100 * fail_high:+.1f}); acc_ref {row['acc_ref']:.3f}, "
+               f"n={n}, clusters={clusters}, non-inferiority p={_fmt(row['noninferiority_p'], '.3g')}, "
+               f"MDE {100 * row['mde']:.1f} pt"
+               + (f", n_needed={numbers['n_needed']} (80 % power if the true delta were 0)" if settles else "")
                + ("; " + "; ".join(reasons) if reasons else ""))
     return Criterion(str(row["slice"]), "accuracy_noninferiority", outcome, message, reasons, numbers)
 
@@ -335,20 +413,20 @@ def decide(paths: list[Path], cfg: GateConfig, model: str | None = None, sweep: 
     if not paths:
         raise GateInputError("no results given; usage: python -m harness.gate results/<run> [gate.margin=0.02 ...]")
     directories = [d for path in paths for d in find_runs(Path(path))]
+    identities = {d: run_identity(d) for d in directories}  # filters first: unfinished runs elsewhere do not matter
     if model is not None:
-        names = {d: json.loads((d / "config.json").read_text()).get("model", {}).get("name")
-                 for d in directories if (d / "config.json").exists()}
-        directories = [d for d in directories if names.get(d) == model]
+        names = {d: identities[d].get("model") for d in directories}
+        directories = [d for d in directories if names[d] == model]
         if not directories:
             raise GateInputError(f"no run of model {model!r} under {', '.join(map(str, paths))}; models there: "
                                  f"{', '.join(sorted(filter(None, set(names.values())))) or 'none'}")
-    runs = [load_run(d) for d in directories]
     if sweep is not None:
-        ids = {str(r.summary.get("tags", {}).get(SWEEP_TAG, "")) for r in runs}
-        runs = [r for r in runs if str(r.summary.get("tags", {}).get(SWEEP_TAG, "")) == sweep]
-        if not runs:
+        ids = {d: identities[d].get("sweep_id") for d in directories}
+        directories = [d for d in directories if ids[d] == sweep]
+        if not directories:
             raise GateInputError(f"no run tagged {SWEEP_TAG}={sweep!r}; sweep ids there: "
-                                 f"{', '.join(sorted(filter(None, ids))) or 'none'}")
+                                 f"{', '.join(sorted(filter(None, map(str, ids.values())))) or 'none'}")
+    runs = [load_run(d) for d in directories]
     check_same_model(runs)
     check_slice_names(cfg, runs)
     return GateDecision([decide_run(r, cfg) for r in runs], OmegaConf.to_container(OmegaConf.structured(cfg)))
@@ -388,16 +466,17 @@ def table(decision: GateDecision) -> pd.DataFrame:
             x = c.numbers
             if c.criterion == "accuracy_noninferiority":
                 detail = (f"Δ {100 * x['delta']:+.1f} [{100 * x['delta_ci_low']:+.1f}, {100 * x['delta_ci_high']:+.1f}] "
-                          f"m {100 * x['margin']:.1f}")
+                          f"({100 * x['ci_level']:.4g} %) m {100 * x['margin']:.1f}")
+                n_needed = x["n_needed"] if x["n_needed"] is not None else \
+                    ("not by more items" if not x["settleable"] and c.outcome == INCONCLUSIVE else "")
                 rows.append({"run": run.run_name, "slice": c.slice, "criterion": "accuracy", "outcome": c.outcome,
                              "n": x["n"], "acc_ref": round(x["acc_ref"], 3), "detail": detail,
-                             "p_adj": _fmt(x["noninferiority_p_adj"], ".3g"), "mde_pt": round(100 * x["mde"], 1),
-                             "n_needed": x["n_needed"] if x["n_needed"] is not None else "",
-                             "why": "; ".join(c.reasons)})
+                             "fail bound": f"{100 * x['fail_ci_high']:+.1f}", "p_ni": _fmt(x["noninferiority_p"], ".3g"),
+                             "mde_pt": round(100 * x["mde"], 1), "n_needed": n_needed, "why": "; ".join(c.reasons)})
             else:
                 rows.append({"run": run.run_name, "slice": c.slice, "criterion": c.criterion, "outcome": c.outcome,
-                             "n": "", "acc_ref": "", "detail": c.message.split(": ", 1)[-1], "p_adj": "",
-                             "mde_pt": "", "n_needed": "", "why": "; ".join(c.reasons)})
+                             "n": "", "acc_ref": "", "detail": c.message.split(": ", 1)[-1], "fail bound": "",
+                             "p_ni": "", "mde_pt": "", "n_needed": "", "why": "; ".join(c.reasons)})
     return pd.DataFrame(rows)
 
 

@@ -25,7 +25,7 @@ def side_by_side(comparison: Comparison) -> pd.DataFrame:
             "acc ref": num(row["acc_ref"]), "acc quant": num(row["acc_quant"]),
             "Δacc [95% CI]": delta_ci(row["delta"], row["delta_ci_low"], row["delta_ci_high"]),
             "flips r→w / w→r": flips(row["flips_right_to_wrong"], row["flips_wrong_to_right"]),
-            "McNemar p (adj)": f"{num(row['mcnemar_p'])} ({num(row['mcnemar_p_adj'])})",
+            "p (adj)": f"{num(row['delta_p'])} ({num(row['delta_p_adj'])})",
             "verdict": row.get("verdict", ""),
             "KL mean ± SE": pm(tok_row.get("kl_mean"), tok_row.get("kl_se")),
             "top-1 agree": num(tok_row.get("top1_agree")),
@@ -50,7 +50,7 @@ def markdown(comparison: Comparison, result: dict, kl_plot: str | None = None) -
     timings = ", ".join(f"{k} {v:.1f}s" for k, v in result.get("timings", {}).items())
     sub = comparison.item_stats[comparison.item_stats["level"] == "sub_slice"]
     sub_cols = [c for c in ["slice", "sub_slice", "n", "n_clusters", "acc_ref", "acc_quant", "delta", "delta_ci_low",
-                            "delta_ci_high", "flips_right_to_wrong", "flips_wrong_to_right", "mcnemar_p_adj"]
+                            "delta_ci_high", "flips_right_to_wrong", "flips_wrong_to_right", "delta_p_adj"]
                 if c in sub.columns]
     return "\n".join([
         f"# {result['run_name']}", "",

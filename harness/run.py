@@ -33,6 +33,7 @@ from harness.identity import check_backend, config_dict, eval_settings, run_key,
 from harness.reference_stage import SliceReference, deferred_references, reference_unless_busy, share_heads
 from harness.runtime import apply_threads
 from harness.slices import Slice, check_hub_for_registry, resolve
+from harness.tracking import SWEEP_TAG
 
 log = logging.getLogger("harness")
 
@@ -204,6 +205,9 @@ def prepare_results_dir(cfg: RunConfig, key: str) -> Path:
         probe = directory / ".write-test"
         probe.write_text("ok")
         probe.unlink()
+        # Who this run belongs to, from the start: the gate's sweep= / model= filters read it before loading.
+        atomic_write_json(directory / "run.json", {"model": cfg.model.name, "scheme": cfg.quant.name,
+                                                   "sweep_id": cfg.tracking.tags.get(SWEEP_TAG)})
     except OSError as exc:
         raise ResultsDirError(f"cannot write results to {directory} ({exc.strerror}); set paths.results_dir to a "
                               "writable directory") from None

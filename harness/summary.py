@@ -28,7 +28,7 @@ class Comparison:
         """Flat metric names for MLflow: ``<slice>/<metric>`` and ``overall/<metric>``."""
         out: dict[str, float] = {}
         keys = ["acc_ref", "acc_quant", "delta", "delta_ci_low", "delta_ci_high", "flips_right_to_wrong",
-                "flips_wrong_to_right", "flip_rate", "mcnemar_p", "mcnemar_p_adj", "n", "n_clusters"]
+                "flips_wrong_to_right", "flip_rate", "delta_p", "delta_p_adj", "n", "n_clusters"]
         for row in self.item_stats[self.item_stats["level"].isin(["overall", "slice"])].to_dict("records"):
             prefix = "overall" if row["level"] == "overall" else row["slice"]
             for key in keys:
@@ -93,14 +93,14 @@ def compare_items(items: pd.DataFrame, cfg: CompareConfig) -> pd.DataFrame:
     for level, by in levels:
         result = stats.compare_frame(frame, by=by, cluster_col="cluster", n_resamples=cfg.n_resamples,
                                      seed=cfg.seed, margin=cfg.margin, correction="none",
-                                     min_clusters=cfg.min_clusters)
+                                     ci_level=cfg.ci_level, min_clusters=cfg.min_clusters)
         result.insert(0, "level", level)
         parts.append(result)
     table = pd.concat(parts, ignore_index=True)
     for column in ("slice", "sub_slice"):
         if column not in table:
             table[column] = None
-    table["mcnemar_p_adj"] = stats.adjust_pvalues(table["mcnemar_p"].to_numpy(dtype=float), cfg.correction)
+    table["delta_p_adj"] = stats.adjust_pvalues(table["delta_p"].to_numpy(dtype=float), cfg.correction)
     return table
 
 

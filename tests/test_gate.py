@@ -78,34 +78,66 @@ def test_each_outcome_on_constructed_slices(tmp_path):
     assert decision.outcome == "fail" and decision.exit_code == 1
 
 
-def test_noninferiority_p_matches_an_independent_one_sided_t_test(tmp_path):
+def test_noninferiority_p_matches_an_independent_tango_score_test(tmp_path):
+    from tests.test_stats_score import _tango_z
+
     ref, quant = scores(400, 320, 5, 2)
     run = write_run(tmp_path / "run", slice_items("s", ref, quant))
     found = outcome_of(gate.decide([run], GateConfig(margin=0.03)), "s")
-    expected = sps.ttest_1samp(quant - ref + 0.03, 0.0, alternative="greater").pvalue  # items are their own clusters
-    assert found.numbers["noninferiority_p"] == pytest.approx(expected, rel=1e-9)
-    assert found.numbers["noninferiority_p_adj"] == pytest.approx(expected, rel=1e-9)  # one slice: Holm = raw
+    expected = sps.t.sf(_tango_z(-0.03, 2.0, 5.0, 400), 399)  # items are their own clusters: Tango's test
+    assert found.numbers["noninferiority_p"] == pytest.approx(expected, rel=1e-6)
+    assert found.numbers["ci_level"] == pytest.approx(0.90)  # the interval shown is the 1 - 2α one
+    assert (found.numbers["noninferiority_p"] < 0.05) == (found.numbers["delta_ci_low"] > -0.03)
 
 
-def test_the_correction_can_turn_two_passes_into_inconclusive(tmp_path):
-    ref, quant = scores(200, 160, 3, 3)
-    items = pd.concat([slice_items("a", ref, quant), slice_items("b", ref, quant)])
+def _table_slice(name: str, n: int, lost: int, gained: int) -> pd.DataFrame:
+    return slice_items(name, *scores(n, int(0.8 * n), lost, gained))
+
+
+def test_passing_needs_no_correction_over_slices(tmp_path):
+    """Intersection-union: a slice that passes alone passes among five (Holm made it fail before)."""
+    close = _table_slice("close", 2000, 30, 8)  # Δ -1.1 pt against a 2-point margin
+    others = [_table_slice(f"ok{i}", 2000, 10, 10) for i in range(4)]
+    run = write_run(tmp_path / "run", pd.concat([close, *others]))
+    decision = gate.decide([run], GateConfig(margin=0.02))  # the run's compare.correction: holm
+    found = outcome_of(decision, "close")
+    assert found.numbers["delta_ci_low"] > -0.02  # the shown interval lies inside the margin ...
+    assert found.outcome == "pass" and decision.outcome == "pass"  # ... so it never fails, and here passes
+
+
+def test_the_fail_claim_is_bonferroni_corrected_and_shows_its_bound(tmp_path):
+    lost = next(k for k in range(20, 200) if _fails_alone_not_among_two(k))
+    items = pd.concat([_table_slice("a", 600, lost, 0), _table_slice("b", 600, lost, 0)])
     run = write_run(tmp_path / "run", items)
-    margin = 0.022
-    raw = sps.ttest_1samp(quant - ref + margin, 0.0, alternative="greater").pvalue
-    assert raw < 0.05 < 2 * raw  # the construction: passes alone, not after Holm over two slices
-    uncorrected = gate.decide([run], GateConfig(margin=margin, correction="none"))
-    holm = gate.decide([run], GateConfig(margin=margin))  # the run's compare.correction: holm
-    assert uncorrected.outcome == "pass"
-    assert holm.outcome == "inconclusive"
-    assert outcome_of(holm, "a").numbers["noninferiority_p_adj"] == pytest.approx(2 * raw, rel=1e-9)
+    alone = gate.decide([run], GateConfig(margin=0.02, correction="none"))
+    corrected = gate.decide([run], GateConfig(margin=0.02))
+    assert alone.outcome == "fail" and corrected.outcome == "inconclusive"
+    a = outcome_of(corrected, "a")
+    assert a.numbers["family"] == 2 and a.numbers["fail_level"] == pytest.approx(0.95)
+    assert a.numbers["fail_ci_high"] >= -0.02 and "Bonferroni over 2 slices" in a.message
+
+
+def _fails_alone_not_among_two(lost: int) -> bool:
+    from harness.stats import score_test
+
+    ref, quant = scores(600, 480, lost, 0)
+    test = score_test(quant - ref, np.arange(600))
+    return test.interval(0.90)[1] < -0.02 <= test.interval(0.95)[1]
 
 
 def test_per_slice_margin_overrides_the_default(tmp_path):
-    ref, quant = scores(400, 320, 14, 2)  # Δ -3 pt
+    ref, quant = scores(2000, 1600, 70, 10)  # Δ -3 pt
     run = write_run(tmp_path / "run", slice_items("s", ref, quant))
     assert gate.decide([run], GateConfig()).outcome == "fail"
     assert gate.decide([run], GateConfig(margins={"s": 0.10})).outcome == "pass"
+
+
+def test_a_slice_at_the_margin_is_not_told_more_items_would_settle_it(tmp_path):
+    ref, quant = scores(300, 240, 7, 1)  # Δ -2 pt exactly against a 2-point margin
+    run = write_run(tmp_path / "run", slice_items("s", ref, quant))
+    found = outcome_of(gate.decide([run], GateConfig(margin=0.02)), "s")
+    assert found.outcome == "inconclusive" and found.numbers["n_needed"] is None
+    assert any("cannot be settled by more items" in r for r in found.reasons)
 
 
 def test_token_gates_per_slice(tmp_path):
@@ -177,6 +209,39 @@ def test_bad_input_is_refused_with_a_clear_message(tmp_path, capsys):
     assert gate.main([str(tmp_path / "nothing-here")]) == gate.EXIT_BAD_INPUT
 
 
+@pytest.mark.parametrize("damage", ["truncated summary", "truncated items", "nan score", "missing column"])
+def test_corrupt_run_files_exit_3_with_one_line(tmp_path, capsys, damage):
+    ref, quant = scores(400, 320, 2, 2)
+    items = slice_items("s", ref, quant)
+    if damage == "nan score":
+        items.loc[3, "correct_quant"] = np.nan
+    if damage == "missing column":
+        items = items.drop(columns="correct_ref")
+    run = write_run(tmp_path / "run", items)
+    if damage == "truncated summary":
+        text = (run / "summary.json").read_text()
+        (run / "summary.json").write_text(text[: len(text) // 2])
+    if damage == "truncated items":
+        data = (run / "items.parquet").read_bytes()
+        (run / "items.parquet").write_bytes(data[: len(data) // 2])
+    assert gate.main([str(run)]) == gate.EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err
+    expected = {"truncated summary": "summary.json", "truncated items": "items.parquet",
+                "nan score": "correct_quant", "missing column": "correct_ref"}[damage]
+    assert expected in err and "force=true" in err
+
+
+def test_sweep_filter_applies_before_loading(tmp_path):
+    sweep = tmp_path / "results"
+    write_run(sweep / "a", slice_items("s", *scores(400, 320, 2, 2)), scheme="int8", sweep="night1")
+    unfinished = sweep / "b"  # another sweep's job, still running: only the run.json a job writes at start
+    unfinished.mkdir(parents=True)
+    (unfinished / "run.json").write_text(json.dumps({"model": "m", "scheme": "int4", "sweep_id": "night2"}))
+    assert gate.main([str(sweep), "sweep=night1"]) == 0
+    assert gate.main([str(sweep), "sweep=night2"]) == gate.EXIT_BAD_INPUT  # that one is not finished
+
+
 def test_gate_on_a_real_tiny_random_run_reproduces_its_statistics(make_cfg, tmp_path):
     from harness import run as run_mod
 
@@ -187,7 +252,8 @@ def test_gate_on_a_real_tiny_random_run_reproduces_its_statistics(make_cfg, tmp_
     math_row = outcome_of(default, "math")
     assert math_row.outcome == "inconclusive"  # random weights: the reference is at the floor
     # With the floor check off the decision rests on the paired test; its Δ and CI are the run's own.
-    decision = gate.decide([directory], GateConfig(min_headroom=-1.0, min_items=1, min_clusters=2))
+    # alpha 0.025: the gate's 1 - 2α interval is the run's 95 % one.
+    decision = gate.decide([directory], GateConfig(min_headroom=-1.0, min_items=1, min_clusters=2, alpha=0.025))
     numbers = outcome_of(decision, "math").numbers
     stats_row = pd.read_parquet(directory / "item_stats.parquet").query("level == 'slice' and slice == 'math'").iloc[0]
     assert numbers["delta"] == pytest.approx(stats_row["delta"])

@@ -10,10 +10,8 @@ import pandas as pd
 import pytest
 from scipy import stats as sps
 from statsmodels.regression.linear_model import OLS
-from statsmodels.stats.contingency_tables import mcnemar
 from statsmodels.stats.multitest import multipletests
 from statsmodels.stats.power import NormalIndPower
-from statsmodels.stats.weightstats import ttost_paired
 
 import harness.stats as hstats
 from harness.stats import adjust_pvalues, compare_frame, flip_table, paired_compare
@@ -46,65 +44,63 @@ def test_flip_table_hand_counted() -> None:
     "table",
     [(50, 10, 3, 37), (100, 0, 5, 20), (10, 7, 7, 10), (400, 31, 12, 57), (0, 1, 0, 0), (5, 25, 40, 3)],
 )
-def test_mcnemar_matches_statsmodels(table: tuple[int, int, int, int]) -> None:
+def test_flip_counts_and_delta_from_the_table(table: tuple[int, int, int, int]) -> None:
     both_right, r2w, w2r, both_wrong = table
     ref, quant = _from_table(*table)
     result = paired_compare(ref, quant, n_resamples=50)
-    expected = mcnemar(np.array([[both_right, r2w], [w2r, both_wrong]]), exact=True).pvalue
-    assert result.mcnemar_p == pytest.approx(expected, rel=1e-10)
     assert (result.flips_right_to_wrong, result.flips_wrong_to_right) == (r2w, w2r)
     n = sum(table)
     assert result.flip_rate == pytest.approx((r2w + w2r) / n)
     assert result.delta == pytest.approx((w2r - r2w) / n)
 
 
-def test_mcnemar_without_discordant_pairs_is_one() -> None:
+def test_no_discordant_pairs_gives_p_one() -> None:
     ref, quant = _from_table(30, 0, 0, 10)
-    assert paired_compare(ref, quant, n_resamples=50).mcnemar_p == 1.0
+    assert paired_compare(ref, quant, n_resamples=50).delta_p == 1.0
 
 
 @pytest.mark.parametrize("chunk_elements", [1 << 22, 1])
 def test_item_bootstrap_matches_brute_force_loop(monkeypatch: pytest.MonkeyPatch, chunk_elements: int) -> None:
-    monkeypatch.setattr(hstats, "_CHUNK_ELEMENTS", chunk_elements)  # 1 -> one resample per chunk
+    monkeypatch.setattr(hstats.paired, "_CHUNK_ELEMENTS", chunk_elements)  # 1 -> one resample per chunk
     rng = np.random.default_rng(11)
-    n, n_resamples, seed = 57, 300, 7
+    n, n_resamples, seed = 200, 300, 7
     ref = (rng.random(n) < 0.6).astype(float)
     quant = np.where(rng.random(n) < 0.2, 1 - ref, ref)
     result = paired_compare(ref, quant, n_resamples=n_resamples, seed=seed, ci_level=0.9)
 
     draws = np.random.default_rng(seed)
-    deltas, flip_rates, r2w_rates = [], [], []
+    flip_rates, r2w_rates = [], []
     for _ in range(n_resamples):
         idx = _bootstrap_indices(draws, n)
         r, q = ref[idx], quant[idx]
-        deltas.append(np.mean(q) - np.mean(r))
         flip_rates.append(np.mean(r != q))
         r2w_rates.append(np.mean((r == 1) & (q == 0)))
-    pairs = [(result.delta_ci, deltas), (result.flip_rate_ci, flip_rates), (result.right_to_wrong_ci, r2w_rates)]
+    pairs = [(result.flip_rate_ci, flip_rates), (result.right_to_wrong_ci, r2w_rates)]
     for got, samples in pairs:
         assert got == pytest.approx(tuple(np.percentile(samples, [5, 95])), abs=1e-12)
 
 
 def test_cluster_bootstrap_matches_brute_force_loop() -> None:
+    """The flip-rate interval with >= BOOTSTRAP_MIN_CLUSTERS clusters is the percentile cluster bootstrap."""
     rng = np.random.default_rng(3)
-    sizes = rng.integers(1, 9, size=60)  # > BOOTSTRAP_MIN_CLUSTERS: below it Δ gets a t interval
+    sizes = rng.integers(1, 9, size=60)
     labels = np.array([f"doc{c}" for c, size in enumerate(sizes) for _ in range(size)], dtype=object)
     labels = labels[rng.permutation(labels.size)]
     n = labels.size
-    ref = rng.random(n).round(2)  # partial-credit scores
-    quant = np.clip(ref + rng.normal(0, 0.2, n), 0, 1)
+    ref = (rng.random(n) < 0.6).astype(float)
+    quant = np.where(rng.random(n) < 0.25, 1 - ref, ref)
     result = paired_compare(ref, quant, clusters=labels, n_resamples=400, seed=5)
-    assert result.n_clusters == 60 and result.ci_method == "bootstrap"
+    assert result.n_clusters == 60
 
     order = list(dict.fromkeys(labels))  # clusters numbered by first appearance
     members = {label: np.flatnonzero(labels == label) for label in order}
     draws = np.random.default_rng(5)
-    deltas = []
+    rates = []
     for _ in range(400):
         chosen = [order[i] for i in _bootstrap_indices(draws, len(order))]
         items = np.concatenate([members[label] for label in chosen])
-        deltas.append(np.mean(quant[items] - ref[items]))
-    assert result.delta_ci == pytest.approx(tuple(np.percentile(deltas, [2.5, 97.5])), abs=1e-12)
+        rates.append(np.mean(quant[items] != ref[items]))
+    assert result.flip_rate_ci == pytest.approx(tuple(np.percentile(rates, [2.5, 97.5])), abs=1e-12)
 
 
 def test_missing_cluster_labels_are_singletons() -> None:
@@ -120,15 +116,15 @@ def test_item_bootstrap_close_to_scipy_paired_percentile() -> None:
     rng = np.random.default_rng(8)
     ref = (rng.random(300) < 0.65).astype(float)
     quant = np.where(rng.random(300) < 0.15, 1 - ref, ref)
-    ours = paired_compare(ref, quant, n_resamples=20000, seed=1).delta_ci
+    ours = paired_compare(ref, quant, n_resamples=20000, seed=1).flip_rate_ci
     theirs = sps.bootstrap(
-        (ref, quant), lambda r, q, axis=-1: np.mean(q, axis=axis) - np.mean(r, axis=axis),
+        (ref, quant), lambda r, q, axis=-1: np.mean(q != r, axis=axis),
         paired=True, vectorized=True, n_resamples=20000, method="percentile", random_state=2,
     ).confidence_interval
     assert ours == pytest.approx((theirs.low, theirs.high), abs=0.003)
 
 
-def test_item_bootstrap_coverage() -> None:
+def test_score_interval_coverage() -> None:
     """95% CI covers the true Δ of correlated paired binary data at close to its nominal rate."""
     rng = np.random.default_rng(2024)
     true_delta = 0.3 * 0.10 - 0.7 * 0.08  # P(w->r) P(ref wrong) - P(r->w) P(ref right)
@@ -142,8 +138,8 @@ def test_item_bootstrap_coverage() -> None:
     assert 0.92 <= hits / 300 <= 0.98
 
 
-def test_cluster_bootstrap_coverage_and_naive_undercoverage() -> None:
-    """With flip propensity shared inside clusters, only the cluster bootstrap keeps its coverage."""
+def test_cluster_coverage_and_naive_undercoverage() -> None:
+    """With flip propensity shared inside clusters, only the clustered score interval keeps its coverage."""
     rng = np.random.default_rng(7)
     n_clusters, size = 150, 8
     labels = np.repeat(np.arange(n_clusters), size)
@@ -176,7 +172,7 @@ def test_cluster_robust_se_matches_statsmodels_ols() -> None:
 
 
 @pytest.mark.parametrize("binary", [True, False])
-def test_tost_matches_statsmodels_ttost_paired(binary: bool) -> None:
+def test_margin_p_values_are_the_one_sided_tests_the_interval_inverts(binary: bool) -> None:
     rng = np.random.default_rng(9)
     n = 500
     if binary:
@@ -186,23 +182,24 @@ def test_tost_matches_statsmodels_ttost_paired(binary: bool) -> None:
         ref = rng.random(n)
         quant = np.clip(ref + rng.normal(-0.002, 0.05, n), 0, 1)
     result = paired_compare(ref, quant, n_resamples=50, margin=0.02)
-    p_tost, lower, _ = ttost_paired(quant, ref, -0.02, 0.02)
-    assert result.tost_p == pytest.approx(p_tost, rel=1e-9)
-    assert result.noninferiority_p == pytest.approx(lower[1], rel=1e-9)
+    test = hstats.score_test(quant - ref, np.arange(n))
+    assert result.noninferiority_p == pytest.approx(test.p_greater(-0.02), rel=1e-12)
+    assert result.inferiority_p == pytest.approx(test.p_less(-0.02), rel=1e-12)
+    assert result.tost_p == pytest.approx(max(test.p_greater(-0.02), test.p_less(0.02)), rel=1e-12)
+    # The level at which the lower bound touches -margin is the non-inferiority p-value.
+    low_at_p = paired_compare(ref, quant, n_resamples=50, ci_level=1 - 2 * result.noninferiority_p).delta_ci[0]
+    assert low_at_p == pytest.approx(-0.02, abs=1e-6)
 
 
-def test_mde_and_n_needed_match_statsmodels_power() -> None:
+def test_mde_matches_statsmodels_power() -> None:
     ref, quant = _from_table(600, 40, 25, 335)
     n = 1000
     result = paired_compare(ref, quant, n_resamples=50, margin=0.01)
     p_disc, delta = 65 / n, -15 / n
     sd = math.sqrt(p_disc - delta**2)  # McNemar normal approximation
-    power = NormalIndPower()
-    effect = power.solve_power(nobs1=n, alpha=0.05, power=0.8, ratio=0)  # one-sample z test
+    effect = NormalIndPower().solve_power(nobs1=n, alpha=0.05, power=0.8, ratio=0)  # one-sample z test
     assert result.mde == pytest.approx(effect * sd, rel=1e-4)
-    needed = power.solve_power(effect_size=0.01 / sd, alpha=0.05, power=0.8, ratio=0)
-    assert abs(result.n_needed - math.ceil(needed)) <= 1
-    assert paired_compare(ref, quant, n_resamples=50).n_needed is None
+    assert paired_compare(ref, quant, n_resamples=50).n_needed is None  # no margin
 
 
 def test_zero_discordance_floor() -> None:
@@ -211,7 +208,6 @@ def test_zero_discordance_floor() -> None:
     assert result.delta_se == pytest.approx(1 / 200)  # variance floored at 1/n
     z_sum = sps.norm.ppf(0.975) + sps.norm.ppf(0.8)
     assert result.mde == pytest.approx(z_sum / 200)
-    assert result.n_needed == math.ceil((z_sum * math.sqrt(1 / 200) / 0.05) ** 2)
 
 
 @pytest.mark.parametrize(
@@ -219,7 +215,7 @@ def test_zero_discordance_floor() -> None:
     [
         ((3500, 0, 0, 1500), 0.01, "equivalent within 1.0 pt"),  # identical, large n
         ((3400, 50, 50, 1500), 0.01, "equivalent within 1.0 pt"),
-        ((300, 100, 5, 95), 0.01, "worse"),  # quant much worse: CI beyond the margin
+        ((300, 100, 5, 95), 0.01, "worse beyond 1.0 pt"),  # quant much worse: CI beyond the margin
         ((2600, 152, 104, 1144), 0.01, "worse"),  # significant drop, not shown non-inferior
         ((1400, 44, 56, 500), 0.01, "non-inferior within 1.0 pt"),  # gain not significant, not bounded
         ((300, 5, 100, 95), 0.01, "better"),
@@ -229,7 +225,7 @@ def test_zero_discordance_floor() -> None:
         ((3500, 0, 0, 1500), None, "no detectable change"),
         ((300, 100, 5, 95), None, "worse"),
         ((300, 5, 100, 95), None, "better"),
-        ((3, 4, 0, 3), None, "no detectable change"),  # CI below 0 but McNemar p = 0.125
+        ((3, 4, 0, 3), None, "no detectable change"),  # 4 of 4 flips one way in 10 items: t_9 p = 0.077
     ],
 )
 def test_verdicts(table: tuple[int, int, int, int], margin: float | None, verdict: str) -> None:
@@ -260,7 +256,7 @@ def test_partial_credit_scores() -> None:
     result = paired_compare(ref, quant, n_resamples=500)
     assert result.delta == pytest.approx(np.mean(quant) - np.mean(ref))
     assert result.delta_ci[1] < 0
-    assert result.verdict == "worse"  # McNemar is not required for partial-credit scores
+    assert result.verdict == "worse"
 
 
 @pytest.mark.parametrize(
@@ -315,9 +311,9 @@ def test_compare_frame_rows_columns_and_correction() -> None:
     frame = _item_frame()
     out = compare_frame(frame, by=["slice", "sub_slice"], n_resamples=200, margin=0.02, correction="bh")
     assert len(out) == 6
-    expected_columns = {"delta_ci_low", "delta_ci_high", "flip_rate_ci_low", "mcnemar_p_adj", "verdict", "n_needed"}
+    expected_columns = {"delta_ci_low", "delta_ci_high", "flip_rate_ci_low", "delta_p_adj", "verdict", "n_needed"}
     assert expected_columns <= set(out.columns)
-    np.testing.assert_allclose(out["mcnemar_p_adj"], multipletests(out["mcnemar_p"], method="fdr_bh")[1])
+    np.testing.assert_allclose(out["delta_p_adj"], multipletests(out["delta_p"], method="fdr_bh")[1])
     row = out[(out["slice"] == "math") & (out["sub_slice"] == "hard")].iloc[0]
     group = frame[(frame["slice"] == "math") & (frame["sub_slice"] == "hard")]
     assert row["n"] == len(group)
@@ -327,7 +323,7 @@ def test_compare_frame_rows_columns_and_correction() -> None:
 
 def test_compare_frame_does_not_depend_on_group_order_or_other_groups() -> None:
     frame = _item_frame()
-    columns = lambda out: out.drop(columns=["slice", "mcnemar_p_adj"]).reset_index(drop=True)  # noqa: E731
+    columns = lambda out: out.drop(columns=["slice", "delta_p_adj"]).reset_index(drop=True)  # noqa: E731
     math_rows = lambda out: columns(out[out["slice"] == "math"])  # noqa: E731
     full = compare_frame(frame, by=["slice"], n_resamples=200)
     alone = compare_frame(frame[frame["slice"] == "math"], by=["slice"], n_resamples=200)
@@ -336,7 +332,8 @@ def test_compare_frame_does_not_depend_on_group_order_or_other_groups() -> None:
     pd.testing.assert_frame_equal(math_rows(full), math_rows(alone))
     pd.testing.assert_frame_equal(math_rows(full), math_rows(reordered))
     reseeded = compare_frame(frame, by=["slice"], n_resamples=200, seed=1)
-    assert not np.allclose(reseeded["delta_ci_low"], full["delta_ci_low"])
+    assert not np.allclose(reseeded["flip_rate_ci_low"], full["flip_rate_ci_low"])  # the bootstrap's seed
+    np.testing.assert_allclose(reseeded["delta_ci_low"], full["delta_ci_low"])  # Δ's interval has none
 
 
 def test_compare_frame_missing_cluster_column_names_the_fix() -> None:

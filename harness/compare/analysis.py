@@ -28,7 +28,7 @@ __all__ = ["ComparisonReport", "analyse"]
 class ComparisonReport:
     """Every number of a comparison as tables; rendered by :mod:`harness.compare.render`.
 
-    ``item_stats``: one row per (label, level, slice, sub_slice) with ``mcnemar_p_adj`` corrected
+    ``item_stats``: one row per (label, level, slice, sub_slice) with ``delta_p_adj`` corrected
     across all rows and ``significant`` (= p_adj < alpha). ``token_stats``: per (label, slice,
     bucket), ``bucket == "all"`` for whole slices. ``generation``: per (label, slice).
     ``tokens``: per-token KL (label, slice, position, kl, kl_reverse) for distribution plots.
@@ -48,7 +48,7 @@ class ComparisonReport:
         return list(self.runs["label"])
 
     def n_tests(self) -> int:
-        return int(self.item_stats["mcnemar_p"].notna().sum())
+        return int(self.item_stats["delta_p"].notna().sum())
 
     def headline(self) -> pd.DataFrame:
         """One row per (label, slice) incl. ``overall``: accuracy, Δ, flips, tests, KL, generation."""
@@ -107,8 +107,8 @@ def analyse(runs: Sequence[RunData], options: CompareOptions) -> ComparisonRepor
         if not run.survival.empty:
             survival_parts.append(run.survival.assign(label=run.label))
     item_stats = pd.concat(item_parts, ignore_index=True)
-    item_stats["mcnemar_p_adj"] = stats.adjust_pvalues(item_stats["mcnemar_p"].to_numpy(float), options.correction)
-    item_stats["significant"] = item_stats["mcnemar_p_adj"] < options.alpha
+    item_stats["delta_p_adj"] = stats.adjust_pvalues(item_stats["delta_p"].to_numpy(float), options.correction)
+    item_stats["significant"] = item_stats["delta_p_adj"] < options.alpha
     front = ["label", "model", "scheme", "level", "slice", "sub_slice"]
     item_stats = item_stats[front + [c for c in item_stats.columns if c not in front]]
     return ComparisonReport(

@@ -57,7 +57,7 @@ def log_comparison(report: ComparisonReport, out_dir: str | Path, *, uri: str, e
     stats_ = report.item_stats
     metrics = {"n_runs": float(len(report.runs)), "n_tests": float(report.n_tests()),
                "n_significant": float(stats_["significant"].sum()),
-               "n_worse": float((stats_["verdict"] == "worse").sum())}
+               "n_worse": float(stats_["verdict"].str.startswith("worse").sum())}
     mlflow.set_tracking_uri(uri)
     with mlflow.start_run(experiment_id=experiment_id, run_name=f"compare/{report.name}", tags=tags) as run:
         mlflow.log_params({"margin": report.options.margin, "correction": report.options.correction,

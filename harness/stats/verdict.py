@@ -1,36 +1,35 @@
-"""Verdict labels of a paired comparison, from its CI, tests and cluster count (rules: harness.stats)."""
+"""Verdict labels of a paired comparison, read off the displayed interval of Δ (rules: harness.stats.paired)."""
 
 from __future__ import annotations
 
-__all__ = ["verdict_label"]
+__all__ = ["points", "verdict_label"]
 
 
-def _points(margin: float) -> str:
-    points = 100.0 * margin
-    return f"{points:.1f}" if abs(points * 10 - round(points * 10)) < 1e-9 else f"{points:g}"
+def points(margin: float) -> str:
+    """A margin in accuracy points for labels: 0.02 -> "2.0", 0.0125 -> "1.25"."""
+    value = 100.0 * margin
+    return f"{value:.1f}" if abs(value * 10 - round(value * 10)) < 1e-9 else f"{value:g}"
 
 
-def verdict_label(
-    *, lo: float, hi: float, binary: bool, mcnemar_p: float, alpha: float, n_clusters: int, min_clusters: int,
-    margin: float | None, noninferiority_p: float | None, tost_p: float | None,
-) -> str:
-    """The verdict label of ``harness.stats`` (its module docstring lists the rules, in order)."""
+def verdict_label(*, lo: float, hi: float, n_clusters: int, min_clusters: int, margin: float | None) -> str:
+    """The verdict of ``harness.stats.paired`` (its module docstring lists the rules, in order).
+
+    Only the interval ``[lo, hi]`` of Δ decides (NaN bounds decide nothing), so no label can
+    contradict the interval shown beside it.
+    """
     if n_clusters < min_clusters:
         return "too few clusters"
-    supported = n_clusters >= 2 and (mcnemar_p < alpha if binary else True)
-    drop = hi < 0 and supported
-    gain = lo > 0 and supported
+    drop, gain = hi < 0, lo > 0
     if margin is None:
         return "worse" if drop else "better" if gain else "no detectable change"
-    noninferior = noninferiority_p is not None and noninferiority_p < alpha
-    if drop and hi < -margin:
-        return "worse"
-    if tost_p is not None and tost_p < alpha:
-        return f"equivalent within {_points(margin)} pt"
-    if drop and not noninferior:
-        return "worse"
+    if hi < -margin:
+        return f"worse beyond {points(margin)} pt"
+    if lo > -margin and hi < margin:
+        return f"equivalent within {points(margin)} pt"
     if gain:
         return "better"
-    if noninferior:
-        return f"non-inferior within {_points(margin)} pt"
+    if lo > -margin:
+        return f"non-inferior within {points(margin)} pt"
+    if drop:
+        return "worse"
     return "inconclusive"

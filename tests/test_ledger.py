@@ -175,3 +175,39 @@ def test_a_tied_embedding_is_read_whole_as_the_output_head():
     assert row["decode_floor_ms"] == pytest.approx(row["weight_gb"] * 1e9 / 3.35e12 * 1e3)
     assert ledger.decode_read_bytes(1000.0, None) == 1000.0
     assert ledger.decode_read_bytes(1000.0, (10, 4)) == 1000.0 - 9 * 4 * 2
+
+
+def test_kept_linears_count_at_16_bits_in_the_summary_the_ledger_and_the_70b_extrapolation(tmp_path):
+    """A mixed scheme (two blocks kept) on the tiny model: the run summary's bits per weight (from the modules
+    quant.apply walked) equal the ledger's (from shapes alone) and a hand count; the 70B row uses them."""
+    from harness.report_quant import prepare
+
+    keep = ["lm_head", "*embed*", "model.layers.0.*"]
+    cfg = OmegaConf.to_object(compose(["model=tiny_random", "quant=int4_g128", f"quant.keep={keep}",
+                                       f"paths.cache_dir={tmp_path}"]))
+    prepared = prepare(cfg)
+    report = quant.apply(prepared.loaded.model, prepared.scheme, prepared.context)
+    arch = ledger.architecture(cfg.model)
+    sizes = {n: o * i for n, (o, i) in arch.linears().items() if n != "lm_head"}
+    kept = sum(v for n, v in sizes.items() if n.startswith("model.layers.0."))
+    quantized = sum(sizes.values()) - kept
+    by_hand = (quantized * (4 + 16 / 128) + kept * 16) / (quantized + kept)  # every in_features divides by 128
+    summary = report.summary()
+    assert summary["bits_per_weight"] == pytest.approx(by_hand, rel=1e-12) and by_hand > 4.5
+    assert ledger.scheme_weight_bytes(arch, prepared.scheme)[1] == pytest.approx(by_hand, rel=1e-12)
+    table = ledger.decode_floor_table(report, {"H100": 3.35e12})
+    assert table.query("model == '70B' and precision != 'bf16'")["weight_gb"].item() == pytest.approx(
+        70e9 * by_hand / 8 / 1e9)
+    run_rows = ledger.ledger_for_run(prepared.loaded.model, report, cfg).table.query("weights == 'int4_g128'")
+    assert run_rows["bits_per_weight"].to_numpy() == pytest.approx(by_hand, rel=1e-12)
+
+
+def test_a_mix_of_4_125_and_16_bit_blocks_extrapolates_to_52_5_gb_at_70b():
+    """The issue's case: 6.0 bits per weight over the linears (quantized at 4.125, kept at 16) is 52.5 GB at 70B;
+    counting only the quantized layers' 4.125 gave 36.1 GB."""
+    report = QuantReport(scheme="mixed", method="rtn", total_params=40_000, kept_params=3_000)
+    report.layers.append(LayerReport("block", 16, 1000, 4.125, 20.0, 0.1))  # 16,000 weights
+    assert report.summary()["bits_per_weight"] == pytest.approx((16_000 * 4.125 + 3_000 * 16) / 19_000) == 6.0
+    row = ledger.decode_floor_table(report, {"H100": 3.35e12}).query("model == '70B' and precision == 'mixed'")
+    assert row["weight_gb"].item() == pytest.approx(52.5)
+    assert round(70e9 * 4.125 / 8 / 1e9, 1) == 36.1

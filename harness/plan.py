@@ -234,7 +234,8 @@ def plan_sweep(overrides: Sequence[str], *, tokens_per_s: float | None = None,
     configs = [_job_config(job) for job in jobs]  # every config error before any model is loaded
     (target_gpu,) = ledger.resolve_gpus([gpu])
     if target_gpu.name not in ledger.GPU_BF16_FLOPS:
-        raise cli.UsageError(f"gpu={gpu!r}: the plan's roofline needs a GPU of the table ({', '.join(ledger.GPU_BF16_FLOPS)})")
+        raise cli.UsageError(f"gpu={gpu!r}: the plan's roofline needs a GPU of the table "
+                             f"({', '.join(ledger.GPU_BF16_FLOPS)})")
     plan = SweepPlan(jobs=[], references=[])
     known: dict[str, _Model] = {}
     counts: dict[str, SliceTokens] = {}

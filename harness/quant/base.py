@@ -73,9 +73,9 @@ class QuantReport:
         params = max(self.total_params, 1)
         finite = [l.sqnr_db for l in self.layers if math.isfinite(l.sqnr_db)]
         return {
-            "bits_per_weight": bits_per_weight(
-                [(l.out_features * l.in_features, l.bits_per_weight) for l in self.layers if l.name != self.output_head],
-                self.kept_params, self.high_precision_bits),
+            "bits_per_weight": bits_per_weight([(l.out_features * l.in_features, l.bits_per_weight)
+                                                for l in self.layers if l.name != self.output_head],
+                                               self.kept_params, self.high_precision_bits),
             "bits_per_param_total": self.weight_bits / params,
             "weight_gb": self.weight_bits / 8 / 1e9,
             "quantized_fraction": self.quantized_params / params,

@@ -21,8 +21,8 @@ each stage's bookkeeping); else a short forward and a short generation measured 
 printed plan says which. The estimate is linear in tokens: attention makes very long contexts
 slower than that.
 
-No weights are needed where the job's device is not this machine's (``model.device=cuda`` on a
-login node without a GPU): the rates are then a roofline for the GPU named by ``gpu=`` (default
+No weights are needed where the job's device is not this machine's (``model.device=cuda`` or
+``auto`` on a login node without a GPU): the rates are then a roofline for the GPU named by ``gpu=`` (default
 H100; the ledger's table) from the model's architecture (its config.json — a local directory or the
 hub cache — else ``conf/ledger/architectures.yaml``): prefill at the GPU's peak dense BF16 FLOP/s
 over 2 FLOP per parameter and token, decode at its memory bandwidth over the bytes one step reads
@@ -282,8 +282,9 @@ def _offline_tokenizer(cfg: RunConfig, cache: Cache) -> tuple[Any, str | None]:
 
 
 def _cuda_elsewhere(cfg: RunConfig) -> bool:
-    """The job runs on a GPU and this machine has none: plan for that GPU without loading anything."""
-    return cfg.model.device.startswith("cuda") and not torch.cuda.is_available()
+    """The job runs on GPUs (cuda, or auto: accelerate over the visible GPUs) and this machine has none:
+    plan for them without loading anything."""
+    return (cfg.model.device.startswith("cuda") or cfg.model.device == "auto") and not torch.cuda.is_available()
 
 
 def roofline(cfg: RunConfig, gpu: Any) -> Throughput:
@@ -313,7 +314,15 @@ def _prepare_model(cfg: RunConfig, tokens_per_s: float | None, decode_tokens_per
         else:
             from harness import ledger
 
-            rate = roofline(cfg, gpu or ledger.resolve_gpus(["H100"])[0])
+            gpu = gpu or ledger.resolve_gpus(["H100"])[0]
+            rate = roofline(cfg, gpu)
+            weight_gb = ledger.architecture(cfg.model).total_params() * \
+                torch.finfo(models.torch_dtype(cfg.model.dtype)).bits / 8 / 1e9
+            if weight_gb + ledger.DEFAULT_RESERVE_GB > gpu.memory_gb:
+                fit = (f"{cfg.model.name}: {weight_gb:.1f} GB of {cfg.model.dtype} weights do not fit one {gpu.name} "
+                       f"({gpu.memory_gb:.1f} GB): the job needs model.device=auto over several, whose layers run "
+                       "one GPU after another, so one GPU's roofline still bounds it")
+                note = f"{note}; {fit}" if note else fit
             if decode_tokens_per_s:
                 rate = Throughput(rate.prefill_tokens_per_s, decode_tokens_per_s, rate.load_s,
                                   rate.source + "; decode rate given (decode_tokens_per_s=)")

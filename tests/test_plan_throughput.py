@@ -117,3 +117,15 @@ def test_a_gpu_sweep_is_planned_on_a_machine_without_cuda_or_hub_loading_nothing
         assert any("smollm2_135m's tokenizer" in note for note in plan.notes)
     with pytest.raises(plan_mod.cli.UsageError, match="unknown GPU 'H900'"):
         plan_mod.plan_sweep(common, gpu="H900")
+
+
+def test_a_model_larger_than_one_gpu_is_planned_with_a_note(monkeypatch, cache_dir):
+    from harness import ledger
+
+    monkeypatch.setattr(plan_mod.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(plan_mod, "_tokenizer_for", lambda cfg, cache: object())  # the tokenizer is not the point
+    cfg = compose_run(["model=llama70b", f"paths.cache_dir={cache_dir}"])  # device=auto, 141 GB of bf16 weights
+    (h100,) = ledger.resolve_gpus(["H100"])
+    model = plan_mod._prepare_model(cfg, None, None, h100)
+    assert model.loaded is None and "roofline for one H100" in model.throughput.source
+    assert "141.1 GB of bfloat16 weights do not fit one H100 (85.5 GB)" in model.note

@@ -29,8 +29,11 @@ gguf (a .gguf file)    transformers ``gguf_file`` (``gguf``)        dequantized 
 (tensor shapes and dtypes only, nothing is loaded) to give the scheme that lands in the quant
 report and MLflow: method, bits, group size, symmetry, what is kept in high precision, and the
 *measured* storage bits per weight of the quantized linears (packed weights + scales + zero
-points + indices, as written). :func:`check_compatible` refuses a candidate whose tokenizer or
-vocabulary differs from the reference's before any evaluation: paired items would not be paired.
+points + indices, as written). :func:`check_architecture` refuses a candidate whose shapes differ
+from the reference's (layers, hidden and intermediate sizes, heads, KV heads from config.json before
+any weight loads; every linear's shape once loaded), :func:`check_compatible` one whose tokenizer or
+vocabulary differs, both before any evaluation: paired items would not be paired, and a 70B checkpoint
+is no quantization of an 8B reference.
 """
 from __future__ import annotations
 
@@ -277,6 +280,59 @@ def check_compatible(reference_tokenizer: Any, candidate_tokenizer: Any, referen
                              + ". Fix: pick the reference model the candidate was made from (model=...)")
 
 
+# config.json fields that fix a decoder's shapes, with the words the refusal uses.
+ARCHITECTURE_FIELDS = {"num_hidden_layers": "layers", "hidden_size": "hidden size",
+                       "intermediate_size": "intermediate size", "num_attention_heads": "attention heads",
+                       "num_key_value_heads": "KV heads", "head_dim": "head dim"}
+
+
+def _decoder_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The decoder's fields (multimodal wrappers keep them in ``text_config``)."""
+    if not config.get("num_hidden_layers") and isinstance(config.get("text_config"), dict):
+        return config["text_config"]
+    return config
+
+
+def check_architecture(reference_config: dict[str, Any], candidate_config: dict[str, Any], *, name: str,
+                       reference_name: str) -> None:
+    """Same decoder shapes in both config.json dicts, or one line naming both (fields either lacks are skipped)."""
+    ours, theirs = _decoder_config(reference_config), _decoder_config(candidate_config)
+    problems = [f"{words} {theirs[key]} vs {ours[key]}" for key, words in ARCHITECTURE_FIELDS.items()
+                if ours.get(key) is not None and theirs.get(key) is not None and ours[key] != theirs[key]]
+    if problems:
+        raise CandidateError(f"candidate {name!r} is not a quantization of reference {reference_name!r}: "
+                             + ", ".join(problems) + " (candidate vs reference). Fix: pick the reference model the "
+                             "candidate was made from (model=...)")
+
+
+def check_linear_shapes(reference_model: Any, candidate_model: Any, *, name: str, reference_name: str) -> None:
+    """Every linear of the reference present in the candidate with the same (out, in) features."""
+    theirs = dict(candidate_model.named_modules())
+    problems = []
+    for module_name, shape in linear_shapes(reference_model).items():
+        other = theirs.get(module_name)
+        if other is None:
+            problems.append(f"{module_name} missing")
+            continue
+        found = _features(other)
+        if found != shape:
+            problems.append(f"{module_name} {list(found) if found else '?'} vs {list(shape)}")
+    if problems:
+        raise CandidateError(f"candidate {name!r} is not a quantization of reference {reference_name!r}: "
+                             f"{len(problems)} linear(s) differ (candidate vs reference [out, in]), e.g. "
+                             + "; ".join(problems[:3]) + ". Fix: pick the reference model the candidate was made "
+                             "from (model=...)")
+
+
+def _features(module: Any) -> tuple[int, int] | None:
+    """(out, in) features of a linear, also of a library's quantized linear (GPTQ's ``outfeatures``)."""
+    for out_name, in_name in (("out_features", "in_features"), ("outfeatures", "infeatures")):
+        if hasattr(module, out_name) and hasattr(module, in_name):
+            return int(getattr(module, out_name)), int(getattr(module, in_name))
+    weight = getattr(module, "weight", None)
+    return (int(weight.shape[0]), int(weight.shape[-1])) if weight is not None and weight.dim() == 2 else None
+
+
 def linear_shapes(model: Any) -> dict[str, tuple[int, int]]:
     import torch
 
@@ -356,11 +412,13 @@ def load(cfg: CandidateConfig, reference: ModelConfig, cache_dir: str, *, refere
 
     name = candidate_name(cfg)
     shapes = linear_shapes(reference_model)
+    reference_config = reference_model.config.to_dict()
     if cfg.gguf_file:
         file = gguf_path(cfg)
         scheme = describe_gguf(file, name)
     else:
         config, directory = read_config(cfg)
+        check_architecture(reference_config, config, name=name, reference_name=reference.name)
         scheme = describe(config, name=name, directory=directory, linear_shapes=shapes)
     check_loadable(scheme, reference.device, reference.dtype)
     if cfg.gguf_file:
@@ -375,6 +433,8 @@ def load(cfg: CandidateConfig, reference: ModelConfig, cache_dir: str, *, refere
                                     identity={"source": "gguf_file", "file": str(file), "name": name})
     else:
         loaded = models.load(model_config(cfg, reference), cache_dir)
+    check_architecture(reference_config, loaded.model.config.to_dict(), name=name, reference_name=reference.name)
+    check_linear_shapes(reference_model, loaded.model, name=name, reference_name=reference.name)
     check_compatible(reference_tokenizer, loaded.tokenizer, reference_model.config.vocab_size,
                      loaded.model.config.vocab_size, name=name)
     with torch.no_grad():  # compressed-tensors decompresses on the first forward; do it before timing
@@ -388,22 +448,34 @@ def weight_report(reference_model: Any, candidate_model: Any, scheme: CandidateS
     """Per-linear SQNR of the candidate's (dequantized) weights against the reference's.
 
     A :class:`harness.quant.base.QuantReport`, so the candidate lands in the same quant report as
-    the harness's own schemes. Linears whose weights are identical are the ones kept.
+    the harness's own schemes. Linears whose weights are identical are the ones kept (counted in bits
+    per weight at 16, as the harness's own kept linears). A candidate none of whose linears could be
+    compared (no reference linear's name and shape in it) is refused: its report would be empty.
     """
-    from harness.quant.base import QuantReport
+    from harness.quant.base import QuantReport, linear_census
 
     report = QuantReport(scheme=scheme.name, method=f"external:{scheme.method}", total_params=total_params)
     theirs = dict(candidate_model.named_modules())
     bits = scheme.bits_per_weight or float(scheme.bits or 16)
+    linears = 0
     for name, module in reference_model.named_modules():
+        if not hasattr(module, "out_features"):
+            continue
+        linears += 1
         other = theirs.get(name)
         weight = getattr(other, "weight", None)
-        if not hasattr(module, "out_features") or weight is None or weight.shape != module.weight.shape:
+        if weight is None or weight.shape != module.weight.shape:
             continue
         if bool((weight.detach().to(module.weight.dtype) == module.weight.detach()).all()):
             report.kept.append(name)
             continue
         report.add_layer(name, module.weight, weight.to(module.weight.device), bits)
+    if not report.layers and not report.kept:
+        raise CandidateError(f"candidate {scheme.name!r}: none of the reference's {linears} linears is in it with the "
+                             "same name and dense weight shape, so its weights cannot be compared (a weight report "
+                             "over 0 layers); load it with a library that dequantizes it (see harness/candidate.py) "
+                             "or pick the reference it was made from")
+    report.kept_params, report.output_head, report.input_embedding = linear_census(reference_model, report.kept)
     report.notes.append(f"external candidate ({scheme.method}, {scheme.format}); bits per weight measured from "
                         "the checkpoint's stored tensors" if scheme.bits_per_weight else
                         f"external candidate ({scheme.method}); bits per weight from its config")

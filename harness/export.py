@@ -169,6 +169,9 @@ class ExportResult:
     max_abs_stored_error: float = 0.0
     max_abs_kv_scale_error: float | None = None  # written k_scale / v_scale vs the harness's calibrated ones
     input_global_scales: dict[str, float] = field(default_factory=dict)  # nvfp4 activations: 448·6 / calibrated amax
+    # bits per weight as written (harness.quant.base.bits_per_weight: quantized linears as stored — scales in the
+    # model's dtype —, kept ones at 16): what a run of this checkpoint as a candidate reports
+    bits_per_weight: float | None = None
 
 
 @torch.no_grad()
@@ -310,7 +313,20 @@ def export(model: nn.Module, tokenizer: Any, scheme: QuantConfig, out: str | Pat
              qconfig.get("format"), out, error)
     kept = sorted(kept) if fields else sorted(set(kept) | set(targets))  # KV cache only: every linear kept
     return ExportResult(out, str(qconfig.get("format")), sorted(harness_weights), kept, error, qconfig,
-                        stored, kv_error, {name: float(_global_scale(a)) for name, a in input_amax.items()})
+                        stored, kv_error, {name: float(_global_scale(a)) for name, a in input_amax.items()},
+                        written_bits_per_weight(out, model, kept))
+
+
+def written_bits_per_weight(directory: Path, model: nn.Module, kept: list[str]) -> float:
+    """Bits per weight of the checkpoint in ``directory`` (its safetensors headers), as runs count them."""
+    from harness.candidate import linear_shapes, measured_bits_per_weight
+    from harness.quant.base import bits_per_weight, linear_census
+
+    shapes = linear_shapes(model)
+    kept_params, head, _ = linear_census(model, kept)
+    stored = measured_bits_per_weight(directory, shapes, set(kept))
+    quantized = sum(out * inp for name, (out, inp) in shapes.items() if name not in kept and name != head)
+    return bits_per_weight([(quantized, stored)] if stored is not None and quantized else [], kept_params)
 
 
 # ------------------------------------------------------------------------------ CLI
@@ -348,7 +364,8 @@ def _body(parsed: cli.Parsed[ExportOptions]) -> int:
     result = export(prepared.loaded.model, prepared.loaded.tokenizer, prepared.scheme, options.out,
                     targets=targets, kept=kept, calibration=calibration)
     print(f"wrote {result.directory} ({result.format}; {len(result.quantized)} quantized linears, "
-          f"{len(result.kept)} kept); max |Δw| vs the harness's weights {result.max_abs_weight_error:.3g} "
+          f"{len(result.kept)} kept; {result.bits_per_weight:.4f} bits/weight as written); "
+          f"max |Δw| vs the harness's weights {result.max_abs_weight_error:.3g} "
           f"(decompressed by compressed-tensors), {result.max_abs_stored_error:.3g} (stored values)"
           + ("" if result.max_abs_kv_scale_error is None
              else f"; k/v scales max |Δ| {result.max_abs_kv_scale_error:.3g}"))

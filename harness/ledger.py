@@ -5,10 +5,11 @@ linears at the scheme's bits per weight, scales included, the rest at 16 bits); 
 token, ``2 × layers × KV heads × head dim × bytes per element`` (the 2: keys and values) for BF16,
 FP8 and INT4 KV with their scale overhead; and per GPU, with a runtime reserve (activations, CUDA
 context, fragmentation; default 4 GB): the memory left for KV, the tokens of KV that fit, the largest
-batch at ``context`` tokens per sequence, and the batch-1 decode floor (every weight byte read once
-per generated token: weight bytes ÷ bandwidth). A model whose weights plus reserve exceed the GPU's
-memory "does not fit". GB are 10⁹ bytes, as GPU datasheets count them (an "80 GB" H100 is taken as
-80e9 bytes here).
+batch at ``context`` tokens per sequence, and the batch-1 decode floor (the bytes one decode step
+reads ÷ bandwidth: every weight once, except an untied input embedding, of which decode gathers one
+row per token; a tied one is read whole as the output head). A model whose weights plus reserve
+exceed the GPU's memory "does not fit". GB are 10⁹ bytes; a GPU's memory is what the driver reports
+(``nvidia-smi``'s total: an "80 GB" H100 has 81,559 MiB = 85.5e9 bytes, not 80e9).
 
 KV formats: ``bf16`` (16 bits), or a ``conf/quant/kv_cache/<name>.yaml`` (``fp8``: static per-tensor
 scales, 8 bits; ``fp8_dynamic``: one scale per token and head; ``int4``: KIVI keys per channel over
@@ -35,8 +36,9 @@ from omegaconf import OmegaConf
 from harness import cli
 from harness.config import CONF_DIR, KVCacheQuantConfig, ModelConfig, QuantConfig, TensorQuantConfig
 
-__all__ = ["DEFAULT_GPUS", "GPU", "GPU_BANDWIDTH", "Architecture", "Ledger", "capacity_rows", "decode_floor_metrics", "decode_floor_ms",
-           "decode_floor_table", "kv_bits_per_element", "kv_bytes_per_token", "ledger_for_run", "resolve_gpus"]
+__all__ = ["DEFAULT_GPUS", "GPU", "GPU_BANDWIDTH", "GPU_BF16_FLOPS", "GPU_MEMORY_BYTES", "Architecture", "Ledger",
+           "capacity_rows", "decode_floor_metrics", "decode_floor_ms", "decode_floor_table", "decode_read_bytes",
+           "kv_bits_per_element", "kv_bytes_per_token", "ledger_for_run", "resolve_gpus"]
 
 if TYPE_CHECKING:
     from harness.quant.base import QuantReport
@@ -47,7 +49,8 @@ DEFAULT_KV = ("bf16", "fp8", "int4")
 DEFAULT_RESERVE_GB = 4.0
 DEFAULT_CONTEXT = 8192
 
-# Peak HBM bandwidth in bytes/s and memory in GB (1e9 bytes; vendor datasheets, SXM parts).
+MIB = 2**20
+# Peak HBM bandwidth in bytes/s (vendor datasheets, SXM parts).
 GPU_BANDWIDTH: dict[str, float] = {
     "A100": 2.039e12,  # A100 80GB SXM
     "H100": 3.35e12,  # H100 SXM
@@ -55,7 +58,24 @@ GPU_BANDWIDTH: dict[str, float] = {
     "B200": 8.0e12,
     "MI300X": 5.3e12,
 }
-GPU_MEMORY_GB: dict[str, float] = {"A100": 80.0, "H100": 80.0, "H200": 141.0, "B200": 192.0, "MI300X": 192.0}
+# Memory in bytes as the driver reports it (what a process can allocate from, before the reserve).
+# Datasheets round: "80 GB" (H100) is 80 GiB of HBM3 of which the driver exposes 81,559 MiB.
+GPU_MEMORY_BYTES: dict[str, int] = {
+    "A100": 81_920 * MIB,  # A100-SXM4-80GB, nvidia-smi memory.total (modal-labs/modal-client#2797)
+    "H100": 81_559 * MIB,  # H100 80GB HBM3, nvidia-smi memory.total (modal-labs/modal-client#2797)
+    "H200": 143_771 * MIB,  # H200 141GB HBM3e, nvidia-smi memory.total (nvidia-smi outputs in public issues)
+    "B200": 183_359 * MIB,  # B200, nvidia-smi memory.total (NVIDIA/TensorRT-LLM#10278)
+    "MI300X": 206_141_652_992,  # MI300X 192GB, rocm-smi "VRAM Total Memory (B)" (ROCm/legacy-rocm-build#4750)
+}
+GPU_MEMORY_GB: dict[str, float] = {name: size / 1e9 for name, size in GPU_MEMORY_BYTES.items()}
+# Peak dense BF16 tensor FLOP/s (vendor datasheets, no sparsity): what harness.plan's roofline assumes.
+GPU_BF16_FLOPS: dict[str, float] = {
+    "A100": 312e12,  # A100 SXM
+    "H100": 989e12,  # H100 SXM (1,979 TFLOPS is with 2:4 sparsity)
+    "H200": 989e12,  # H200 SXM: the H100's tensor cores
+    "B200": 2.25e15,  # B200 (HGX B200 per GPU, dense)
+    "MI300X": 1307.4e12,  # MI300X (dense BF16)
+}
 DEFAULT_GPUS = ("H100", "H200", "B200")
 # Nominal sizes of the decode-floor extrapolation rows (all parameters at the scheme's bits per weight).
 EXTRAPOLATE_PARAMS: dict[str, float] = {"8B": 8e9, "70B": 70e9}
@@ -65,7 +85,7 @@ REFERENCE_BITS = 16  # the unquantized deployment: BF16
 @dataclass(frozen=True)
 class GPU:
     name: str
-    memory_gb: float  # 1e9 bytes
+    memory_gb: float  # 1e9 bytes, as the driver reports the total (GPU_MEMORY_BYTES)
     bandwidth_tbs: float  # peak HBM bandwidth, 1e12 bytes/s
 
 
@@ -93,40 +113,56 @@ def resolve_gpus(specs: list[str]) -> list[GPU]:
 
 # ----------------------------------------------------------------------- decode floor
 def decode_floor_ms(weight_bytes: float, bandwidth: float) -> float:
-    """Batch-1 decode floor in ms/token: every weight byte read once per generated token."""
+    """Batch-1 decode floor in ms/token: ``weight_bytes`` (those one step reads) ÷ bandwidth."""
     if bandwidth <= 0:
         raise ValueError(f"bandwidth must be positive bytes/s, got {bandwidth}")
     return weight_bytes / bandwidth * 1e3
+
+
+def decode_read_bytes(weight_bytes: float, untied_embedding: tuple[int, int] | None,
+                      embedding_bits: float = REFERENCE_BITS) -> float:
+    """Bytes one batch-1 decode step reads: every weight once, but of an untied input embedding
+    ``(vocab, hidden)`` only the row of the token (a gather); a tied one is read whole as the head."""
+    if untied_embedding is None:
+        return weight_bytes
+    vocab, hidden = untied_embedding
+    return weight_bytes - (vocab - 1) * hidden * embedding_bits / 8
 
 
 def decode_floor_table(report: "QuantReport", gpus: dict[str, float], *, model_name: str = "this model",
                        sizes: dict[str, float] | None = None) -> pd.DataFrame:
     """Weight size and decode floor of this model and of nominal larger ones, BF16 vs the scheme.
 
-    Rows: this model in BF16 and as quantized (kept layers at 16 bits, ``report.weight_bits``);
-    then each of ``sizes`` (default 8B, 70B) in BF16 and with *all* parameters at the quantized
-    layers' bits per weight (scales included), as the primers' tables count. One column
-    ``ms_per_token_<GPU>`` per entry of ``gpus`` (name → bytes/s).
+    Rows: this model in BF16 and as quantized (kept layers at 16 bits, ``report.weight_bits``;
+    the decode floor gathers an untied input embedding, :func:`decode_read_bytes`); then each of
+    ``sizes`` (default 8B, 70B) in BF16 and with *all* parameters at the scheme's bits per weight
+    (:func:`harness.quant.base.bits_per_weight`: kept linears at 16, scales included), as the
+    primers' tables count (every parameter read per token: nominal sizes have no embedding shape).
+    One column ``ms_per_token_<GPU>`` per entry of ``gpus`` (name → bytes/s).
     """
     sizes = EXTRAPOLATE_PARAMS if sizes is None else sizes
     summary = report.summary()
     scheme_bits = float(summary["bits_per_weight"])
+    embedding = report.input_embedding
     rows: list[dict[str, Any]] = [
         {"model": model_name, "precision": "bf16", "params": report.total_params,
-         "bits_per_weight": float(REFERENCE_BITS), "weight_bits": report.total_params * REFERENCE_BITS},
+         "bits_per_weight": float(REFERENCE_BITS), "weight_bits": report.total_params * REFERENCE_BITS,
+         "embedding": embedding},
         {"model": model_name, "precision": report.scheme, "params": report.total_params,
-         "bits_per_weight": report.weight_bits / max(report.total_params, 1), "weight_bits": report.weight_bits},
+         "bits_per_weight": report.weight_bits / max(report.total_params, 1), "weight_bits": report.weight_bits,
+         "embedding": embedding},
     ]
     for size, params in sizes.items():
         rows.append({"model": size, "precision": "bf16", "params": params, "bits_per_weight": float(REFERENCE_BITS),
-                     "weight_bits": params * REFERENCE_BITS})
+                     "weight_bits": params * REFERENCE_BITS, "embedding": None})
         rows.append({"model": size, "precision": report.scheme, "params": params, "bits_per_weight": scheme_bits,
-                     "weight_bits": params * scheme_bits})
+                     "weight_bits": params * scheme_bits, "embedding": None})
     for row in rows:
         weight_bytes = row.pop("weight_bits") / 8
+        read = decode_read_bytes(weight_bytes, row.pop("embedding"))
         row["weight_gb"] = weight_bytes / 1e9
         for gpu, bandwidth in gpus.items():
-            row[f"ms_per_token_{gpu}"] = decode_floor_ms(weight_bytes, bandwidth)
+            row[f"ms_per_token_{gpu}"] = decode_floor_ms(read, bandwidth)
     return pd.DataFrame(rows)
 
 
@@ -173,6 +209,11 @@ class Architecture:
         out = {f"model.layers.{i}.{name}": shape for i in range(self.layers) for name, shape in per_block.items()}
         out["lm_head"] = (self.vocab_size, self.hidden_size)
         return out
+
+    def untied_embedding(self) -> tuple[int, int] | None:
+        """(vocab, hidden) of the input embedding when it is not the output head's matrix."""
+        return None if self.tied_embeddings or not (self.vocab_size and self.hidden_size) else \
+            (self.vocab_size, self.hidden_size)
 
     def shape_problem(self) -> str | None:
         needed = ["layers", "hidden_size", "intermediate_size", "heads", "kv_heads", "head_dim", "vocab_size"]
@@ -244,23 +285,27 @@ def architecture(model: ModelConfig, given: Architecture | None = None) -> Archi
 
 
 def scheme_weight_bytes(arch: Architecture, scheme: QuantConfig) -> tuple[float, float]:
-    """(weight bytes, bits per weight of the quantized linears) of ``scheme`` on ``arch``'s shapes."""
-    from harness.quant.base import _matches
+    """(weight bytes, bits per weight) of ``scheme`` on ``arch``'s shapes; bits per weight as
+    :func:`harness.quant.base.bits_per_weight` counts it (kept linears at 16, the output head out)."""
+    from harness.quant.base import _matches, bits_per_weight
     from harness.quant.tensor import storage_bits
 
     params = arch.total_params()
-    if scheme.weights is None:
-        return params * REFERENCE_BITS / 8, float(REFERENCE_BITS)
-    quantized_params = quantized_bits = 0.0
+    quantized: dict[str, tuple[float, float]] = {}  # linear -> (parameters, bits per weight)
+    kept_params = 0.0
     for name, (out_features, in_features) in arch.linears().items():
         if arch.tied_embeddings and name == "lm_head":
             continue
-        if _matches(name, list(scheme.keep)) or not _matches(name, list(scheme.targets)):
-            continue
-        quantized_params += out_features * in_features
-        quantized_bits += out_features * in_features * storage_bits(scheme.weights, out_features, in_features)
+        size = out_features * in_features
+        if scheme.weights is None or _matches(name, list(scheme.keep)) or not _matches(name, list(scheme.targets)):
+            kept_params += 0 if name == "lm_head" else size
+        else:
+            quantized[name] = (size, storage_bits(scheme.weights, out_features, in_features))
+    quantized_params = sum(p for p, _ in quantized.values())
+    quantized_bits = sum(p * b for p, b in quantized.values())
     rest = max(params - quantized_params, 0.0) * REFERENCE_BITS
-    return (quantized_bits + rest) / 8, quantized_bits / quantized_params if quantized_params else float(REFERENCE_BITS)
+    counted = [value for name, value in quantized.items() if name != "lm_head"]
+    return (quantized_bits + rest) / 8, bits_per_weight(counted, kept_params)
 
 
 # -------------------------------------------------------------------------------- KV
@@ -303,10 +348,12 @@ def load_kv_format(name: str) -> KVCacheQuantConfig | None:
 # ---------------------------------------------------------------------------- ledger
 def capacity_rows(model: str, weights: dict[str, float], kv_per_token: dict[str, float], gpus: list[GPU], *,
                   reserve_gb: float = DEFAULT_RESERVE_GB, context: int = DEFAULT_CONTEXT,
-                  bits: dict[str, float] | None = None) -> pd.DataFrame:
+                  bits: dict[str, float] | None = None, untied_embedding: tuple[int, int] | None = None
+                  ) -> pd.DataFrame:
     """One row per (weights, GPU, KV format): memory left for KV, tokens that fit, batch, decode floor.
 
-    ``weights``: precision name → weight bytes; ``kv_per_token``: KV format → bytes per token.
+    ``weights``: precision name → weight bytes; ``kv_per_token``: KV format → bytes per token;
+    ``untied_embedding``: (vocab, hidden) of an input embedding decode gathers (:func:`decode_read_bytes`).
     """
     if reserve_gb < 0 or context < 1:
         raise cli.UsageError(f"reserve_gb={reserve_gb} must be >= 0 and context={context} >= 1")
@@ -321,7 +368,8 @@ def capacity_rows(model: str, weights: dict[str, float], kv_per_token: dict[str,
                              "bandwidth_tbs": gpu.bandwidth_tbs, "reserve_gb": reserve_gb, "fits": left > 0,
                              "kv_left_gb": left / 1e9, "kv": kv, "kv_bytes_per_token": per_token,
                              "kv_tokens": tokens, "context": context, "max_batch": tokens // context,
-                             "decode_floor_ms": decode_floor_ms(weight_bytes, gpu.bandwidth_tbs * 1e12)})
+                             "decode_floor_ms": decode_floor_ms(decode_read_bytes(weight_bytes, untied_embedding),
+                                                                gpu.bandwidth_tbs * 1e12)})
     return pd.DataFrame(rows)
 
 
@@ -368,7 +416,8 @@ class Ledger:
         return "\n".join([
             "## Capacity ledger", "",
             f"KV-cache bytes per token: {per_token}. Runtime reserve {first['reserve_gb']:g} GB; batch at "
-            f"{first['context']:,} tokens per sequence; decode floor = weight bytes ÷ bandwidth (batch 1).", "",
+            f"{first['context']:,} tokens per sequence; decode floor = bytes read per token ÷ bandwidth (batch 1; "
+            "an untied input embedding gathered, one row per token).", "",
             self.wide().to_markdown(index=False), ""])
 
     def write_csv(self, path: Path) -> None:
@@ -389,7 +438,8 @@ def build_ledger(model_name: str, arch: Architecture, scheme: QuantConfig, *, we
     weights = {"bf16": arch.total_params() * REFERENCE_BITS / 8}
     weights[scheme.name] = computed if weight_bytes is None else weight_bytes
     table = capacity_rows(model_name, weights, per_token, gpu_list, reserve_gb=reserve_gb, context=context,
-                          bits={"bf16": float(REFERENCE_BITS), scheme.name: computed_bits if bits is None else bits})
+                          bits={"bf16": float(REFERENCE_BITS), scheme.name: computed_bits if bits is None else bits},
+                          untied_embedding=arch.untied_embedding())
     return Ledger(table, scheme.name)
 
 
@@ -402,6 +452,9 @@ def ledger_for_run(model: Any, quant_report: "QuantReport", cfg: Any) -> Ledger:
     if not (arch.layers and arch.kv_heads and arch.head_dim):
         arch = architecture(cfg.model)
     arch = dataclasses.replace(arch, params=float(quant_report.total_params))
+    if quant_report.input_embedding is not None:  # the loaded model's own embedding, untied
+        arch = dataclasses.replace(arch, tied_embeddings=False, vocab_size=quant_report.input_embedding[0],
+                                   hidden_size=quant_report.input_embedding[1])
     return build_ledger(cfg.model.name, arch, cfg.quant, weight_bytes=quant_report.weight_bits / 8,
                         bits=float(quant_report.summary()["bits_per_weight"]))
 

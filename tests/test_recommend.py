@@ -22,17 +22,19 @@ def random_units(seed: int, n: int = 10) -> list[Unit]:
             for i, p in enumerate(params)]
 
 
-def brute_force(units: list[Unit], *, kl_budget=None, bits_budget=None) -> tuple[float, float]:
-    """(best objective, its bits) over all 2^n choices: least bits under a KL budget or least KL under bits."""
-    best = None
-    for quantized in itertools.product([False, True], repeat=len(units)):
-        bits = recommend.bits_per_weight(units, list(quantized))
-        kl = sum(u.kl for u, q in zip(units, quantized) if q)
-        if kl_budget is not None and kl <= kl_budget + 1e-12:
-            best = bits if best is None else min(best, bits)
-        if bits_budget is not None and bits <= bits_budget + 1e-12:
-            best = kl if best is None else min(best, kl)
-    return best
+def brute_force(units: list[Unit], *, kl_budget=None, bits_budget=None, other_params: float = 0.0) -> float:
+    """The best objective over all 2^n choices, counted by hand (not with the harness's bits function):
+    least bits per weight under a KL budget, or least KL under a bits budget. A unit with counted=False
+    (the output head) is out of bits per weight; ``other_params`` count at 16 bits."""
+    choices = np.array(list(itertools.product([False, True], repeat=len(units))))
+    counted = np.array([u.counted for u in units])
+    params = np.array([u.params for u in units], dtype=float) * counted
+    quant_bits = np.array([u.quant_bits for u in units]) * counted
+    bits = (np.where(choices, quant_bits, params * 16).sum(axis=1) + other_params * 16) / (params.sum() + other_params)
+    kl = np.where(choices, np.array([u.kl for u in units]), 0.0).sum(axis=1)
+    if kl_budget is not None:
+        return float(bits[kl <= kl_budget].min())
+    return float(kl[bits <= bits_budget].min())
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -41,13 +43,41 @@ def test_the_solver_finds_the_brute_force_optimum(seed):
     everything = sum(u.kl for u in units)
     for fraction in (0.2, 0.5, 0.8):
         choice = recommend.solve(units, kl_budget=fraction * everything)
-        assert choice.predicted_kl <= fraction * everything + 1e-12
+        assert choice.predicted_kl <= fraction * everything
         assert choice.bits_per_weight == pytest.approx(brute_force(units, kl_budget=fraction * everything), abs=1e-9)
     low = recommend.bits_per_weight(units, [True] * len(units))
     for bits in (low + 0.5, (low + 16) / 2, 15.0):
         choice = recommend.solve(units, bits_budget=bits)
         assert choice.bits_per_weight <= bits + 1e-9
         assert choice.predicted_kl == pytest.approx(brute_force(units, bits_budget=bits), abs=1e-12)
+
+
+def test_exact_at_8_bit_kls_against_brute_force_on_many_random_problems():
+    """KLs of ~2e-6 are HiGHS's tolerance: unscaled, 77 of 200 such problems came back sub-optimal (up to 33x
+    the least KL) and 57 of 200 over their KL budget. Up to 16 units, KL scales 2e-6 and 0.02, both budgets,
+    some problems with linears outside the units and an output-head unit that bits per weight leaves out."""
+    rng = np.random.default_rng(2026)
+    for case in range(120):
+        n = int(rng.integers(2, 17))
+        params = rng.integers(1_000, 50_000, size=n)
+        kl_scale = 2e-6 if case % 3 else 0.02
+        units = [Unit(f"u{i}", [f"u{i}"], int(p), float(p * rng.choice([4.125, 4.5, 8.0, 8.25])),
+                      float(rng.exponential(kl_scale)), counted=not (case % 7 == 0 and i == 0))
+                 for i, p in enumerate(params)]
+        other = float(rng.integers(0, 100_000)) if case % 4 == 0 else 0.0
+        everything = sum(u.kl for u in units)
+        low = recommend.bits_per_weight(units, [True] * n, other)
+        kl_budget = float(rng.uniform(0.05, 0.95)) * everything
+        if kl_budget >= min(u.kl for u in units):  # some unit fits: the budget can be met with quantization
+            choice = recommend.solve(units, kl_budget=kl_budget, other_params=other)
+            assert choice.predicted_kl <= kl_budget, case
+            assert choice.bits_per_weight == pytest.approx(brute_force(units, kl_budget=kl_budget,
+                                                                       other_params=other), rel=1e-12), case
+        bits_budget = float(rng.uniform(low, 16.0))
+        choice = recommend.solve(units, bits_budget=bits_budget, other_params=other)
+        assert choice.bits_per_weight <= bits_budget, case
+        best = brute_force(units, bits_budget=bits_budget, other_params=other)
+        assert choice.predicted_kl == pytest.approx(best, rel=1e-9, abs=1e-300), case
 
 
 def test_greedy_by_ratio_is_not_enough():
@@ -103,6 +133,12 @@ def test_recommendation_on_the_tiny_model_end_to_end(make_cfg, tmp_path):
     units = pd.read_csv(out / "units.csv")
     assert result["predicted_kl"] == pytest.approx(units.loc[units["quantized"], "kl"].sum())
     assert result["bits_per_weight"] <= 8.0 and np.isfinite(result["measured_kl"])
+    # The scheme applied reports the bits per weight the solver chose (kept linears at 16 in both).
+    assert result["applied_bits_per_weight"] == pytest.approx(result["bits_per_weight"], rel=1e-12)
+    chosen = units[units["quantized"]]
+    by_hand = ((chosen["params"] * chosen["quant_bits_per_weight"]).sum()
+               + units.loc[~units["quantized"], "params"].sum() * 16) / units["params"].sum()
+    assert result["bits_per_weight"] == pytest.approx(by_hand, rel=1e-12)
     saved = json.loads((out / "recommendation.json").read_text())
     assert saved["kept_units"] == units.loc[~units["quantized"], "unit"].tolist()
     # The YAML is a valid scheme whose targets are exactly the units chosen for quantization.

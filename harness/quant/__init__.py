@@ -17,8 +17,8 @@ from torch import nn
 from harness.config import QuantConfig
 from harness.quant import awq, gptq, rtn, smoothquant  # noqa: F401  (register their methods)
 from harness.quant.base import (MethodSpec, QuantReport, available_methods, calibration_passes, check_context,
-                                get_method, method_settings, register_method, target_linears, validate_for_model,
-                                validate_scheme, with_model_defaults)
+                                get_method, linear_census, method_settings, register_method, target_linears,
+                                validate_for_model, validate_scheme, with_model_defaults)
 from harness.quant.calibrated_cache import run_cached
 from harness.quant.kv import install_kv_quant
 from harness.quant.linear import calibrate_static_scales, install_activation_quant
@@ -55,6 +55,7 @@ def apply(model: nn.Module, scheme: QuantConfig, context: Any = None) -> QuantRe
         spec.quantize(model, scheme, context, report)
     targets, kept = target_linears(model, scheme)
     report.kept = kept
+    report.kept_params, report.output_head, report.input_embedding = linear_census(model, kept)
     if scheme.activations is not None:
         install_activation_quant(targets, scheme.activations)
         if not scheme.activations.dynamic:

@@ -16,7 +16,7 @@ import fnmatch
 import importlib
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -45,6 +45,9 @@ class QuantReport:
     kept: list[str] = field(default_factory=list)  # linears left in high precision by `keep`
     total_params: int = 0
     high_precision_bits: int = 16  # bits of weights that stay unquantized (bf16 deployment)
+    kept_params: int = 0  # parameters of the kept linears that count in bits per weight (all but the output head)
+    output_head: str | None = None  # the output head's name: not counted in bits per weight (see bits_per_weight)
+    input_embedding: tuple[int, int] | None = None  # (vocab, hidden) of an untied input embedding: decode gathers it
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
 
@@ -68,11 +71,11 @@ class QuantReport:
 
     def summary(self) -> dict[str, float]:
         params = max(self.total_params, 1)
-        qparams = max(self.quantized_params, 1)
         finite = [l.sqnr_db for l in self.layers if math.isfinite(l.sqnr_db)]
         return {
-            "bits_per_weight": sum(l.out_features * l.in_features * l.bits_per_weight for l in self.layers) / qparams
-            if self.layers else float(self.high_precision_bits),
+            "bits_per_weight": bits_per_weight([(l.out_features * l.in_features, l.bits_per_weight)
+                                                for l in self.layers if l.name != self.output_head],
+                                               self.kept_params, self.high_precision_bits),
             "bits_per_param_total": self.weight_bits / params,
             "weight_gb": self.weight_bits / 8 / 1e9,
             "quantized_fraction": self.quantized_params / params,
@@ -84,6 +87,39 @@ class QuantReport:
 
     def to_records(self) -> list[dict[str, Any]]:
         return [asdict(l) for l in self.layers]
+
+
+def bits_per_weight(quantized: Iterable[tuple[float, float]], kept_params: float = 0.0,
+                    kept_bits: float = 16.0) -> float:
+    """Bits per weight of a scheme: its linears' mean storage bits, kept ones at their own precision.
+
+    ``quantized``: (parameters, bits per weight with scales) of each quantized linear; ``kept_params``:
+    the linears left in high precision, at ``kept_bits``. The output head is left out by the callers
+    (kept or not): by convention it stays at 16 bits, small models tie it to the embedding, and a 70B
+    extrapolation is about the decoder blocks; its bytes are in the weight size all the same. Every
+    number called bits per weight (run summary, ledger, recommend, candidates) is this one.
+    """
+    quantized = list(quantized)
+    params = sum(p for p, _ in quantized) + kept_params
+    if params <= 0:
+        return float(kept_bits)
+    return (sum(p * b for p, b in quantized) + kept_params * kept_bits) / params
+
+
+def linear_census(model: nn.Module, kept: list[str]) -> tuple[int, str | None, tuple[int, int] | None]:
+    """(parameters of the kept linears but the output head, the output head's name, an untied input
+    embedding's shape) of ``model``: what :class:`QuantReport` needs beyond the quantized layers."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head_name = next((name for name, module in model.named_modules() if module is head), None) if head is not None \
+        else None
+    modules = dict(model.named_modules())
+    kept_params = sum(modules[name].weight.numel() for name in kept if name != head_name and name in modules)
+    weight = getattr(embedding, "weight", None)
+    tied = weight is not None and head is not None and getattr(head, "weight", None) is weight
+    shape = (int(weight.shape[0]), int(weight.shape[1])) if weight is not None and weight.dim() == 2 and not tied \
+        else None
+    return kept_params, head_name, shape
 
 
 class QuantContext(Protocol):

@@ -14,7 +14,7 @@ with the true Δ set exactly, and the gate's accuracy criterion is applied at α
   over 5 slices, as the gate does for a five-slice run; must be <= α / 5).
 
 "new" is the harness's rule (``harness.stats.score``: pass ⇔ the lower bound of the 1 - 2α
-interval > -m); "old" the rule before it (a t statistic on the CR1 cluster-robust SE, floored at
+interval > -m, i.e. Z(-m) > t_{1-α, G-1}); "old" the rule before it (a t statistic on the CR1 cluster-robust SE, floored at
 1/n, against t_{G-1}: a Wald test). The least favourable configuration of the all-slices ship
 decision is simulated too: one slice at Δ = -m, four at Δ = +5 pt with 1,000 items.
 
@@ -42,7 +42,7 @@ import numpy as np
 from scipy import stats as sps
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from harness.stats.score import z_lower, z_upper  # noqa: E402
+from harness.stats.score import score_z  # noqa: E402
 
 ALPHA = 0.05
 SUB_SCORES = 4  # sub-scores averaged into one partial-credit item
@@ -120,10 +120,10 @@ def decisions(diffs: np.ndarray, codes: np.ndarray, clusters: int, margin: float
     cr1 = clusters / (clusters - 1) * (resid**2).sum(axis=1)  # of the sum
     iid = diffs.var(axis=1, ddof=1) * n
     deff = np.ones_like(mean) if clusters == n else np.where(iid > 0, np.maximum(cr1 / np.where(iid > 0, iid, 1), 1), 1)
-    moments = (clusters, (sums**2).sum(axis=1), sums @ sizes, sizes @ sizes, deff)
+    z = score_z(-margin, gains, losses, n, deff)
     dof = clusters - 1
-    new_pass = z_lower(np.full_like(mean, -margin), gains, losses, n, *moments) > sps.t.ppf(1 - ALPHA, dof)
-    new_fail = z_upper(np.full_like(mean, -margin), gains, losses, n, *moments) < -sps.t.ppf(1 - ALPHA / slices, dof)
+    new_pass = z > sps.t.ppf(1 - ALPHA, dof)
+    new_fail = z < -sps.t.ppf(1 - ALPHA / slices, dof)
     # Old: Wald t on the CR1 SE (floored at 1/n), t_{G-1}.
     se = np.sqrt(cr1) / n
     se = np.where(se <= 1e-9 / n, 1.0 / n, se)

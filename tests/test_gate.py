@@ -106,7 +106,7 @@ def test_passing_needs_no_correction_over_slices(tmp_path):
 
 
 def test_the_fail_claim_is_bonferroni_corrected_and_shows_its_bound(tmp_path):
-    lost = next(k for k in range(20, 200) if _fails_alone_not_among_two(k))
+    lost = next(k for k in range(5, 200) if _fails_alone_not_among_two(k))
     items = pd.concat([_table_slice("a", 600, lost, 0), _table_slice("b", 600, lost, 0)])
     run = write_run(tmp_path / "run", items)
     alone = gate.decide([run], GateConfig(margin=0.02, correction="none"))

@@ -35,6 +35,12 @@ class LockTimeout(TimeoutError):
     """Waited longer than allowed for a lock another job holds."""
 
 
+def holds(path: str | os.PathLike) -> bool:
+    """Whether this process holds the lock at ``path`` (taken with :class:`OwnedLock` and not released)."""
+    with _held_guard:
+        return str(Path(path).resolve()) in _held
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

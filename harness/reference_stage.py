@@ -50,11 +50,9 @@ def compute_reference(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig,
     key = reference_key(loaded, slice_, cfg)
     with cache.lock("reference", key):
         entry = cache.entry("reference", key)
-        if cache.complete("reference", key):
-            log.info("reference for slice %s: reused from cache (%s)", slice_.name, entry)
-            texts = load_reference_texts(entry / "divergence.pt", cache, loaded.key)
-            return SliceReference(pd.read_parquet(entry / "records.parquet"),
-                                  pd.read_json(entry / "aggregates.json", typ="series").to_dict(), texts, True)
+        cached = read_cached(loaded, slice_, cfg, cache)
+        if cached is not None:
+            return cached
         log.info("reference for slice %s: computing (cache miss %s)", slice_.name, key)
         settings = eval_settings(cfg, tokenizer_dir(loaded))
         lm = evaluate.make_lm(loaded.model, loaded.tokenizer, settings, checkpoint=cfg.model.path or None)
@@ -74,6 +72,23 @@ def compute_reference(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig,
             save_reference_texts(tmp / "divergence.pt", scored, cache, loaded.key)
         evaluate.drop_checkpoint(checkpoint)
         return SliceReference(records, aggregates, scored, False, restored)
+
+
+def read_cached(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig, cache: Cache) -> SliceReference | None:
+    """The cached reference of a slice; None when it is missing or damaged (then moved aside, with a warning).
+
+    Call under the entry's lock. ``loaded`` only names the entry (a quantized model may be passed).
+    """
+    key = reference_key(loaded, slice_, cfg)
+    if not cache.usable("reference", key):
+        return None
+    entry = cache.entry("reference", key)
+    texts = load_reference_texts(entry / "divergence.pt", cache, loaded.key)
+    if texts is None:  # its model's frozen head was damaged: the entry is recomputed with it
+        return None
+    log.info("reference for slice %s: reused from cache (%s)", slice_.name, entry)
+    return SliceReference(pd.read_parquet(entry / "records.parquet"),
+                          pd.read_json(entry / "aggregates.json", typ="series").to_dict(), texts, True)
 
 
 def reference_unless_busy(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig,
@@ -112,11 +127,12 @@ def deferred_references(quantized: models.LoadedModel, slices: list[Slice], cfg:
     for slice_ in slices:
         key = reference_key(quantized, slice_, cfg)
         with cache.lock("reference", key):  # waits for the other job (breaks its lock if it died)
-            if cache.complete("reference", key):
-                out[slice_.name] = compute_reference(quantized, slice_, cfg, cache)  # reads the entry
+            cached = read_cached(quantized, slice_, cfg, cache)
+            if cached is not None:
+                out[slice_.name] = cached
                 continue
-            log.warning("reference for slice %s: the job computing it ended without finishing it; loading the "
-                        "unquantized model again to compute it here", slice_.name)
+            log.warning("reference for slice %s: the job computing it ended without finishing it (or its entry "
+                        "was damaged); loading the unquantized model again to compute it here", slice_.name)
             if unquantized is None:
                 unquantized = models.load(cfg.model, cfg.paths.cache_dir)
             out[slice_.name] = compute_reference(unquantized, slice_, cfg, cache)
@@ -128,17 +144,23 @@ def save_reference_texts(path: Path, texts: list[divergence.ReferenceText], cach
     head = next((t.head for t in texts if t.head is not None), None)
     if head is not None:
         with cache.lock("heads", model_key):
-            if not cache.complete("heads", model_key):
+            if not cache.usable("heads", model_key):
                 with cache.writing("heads", model_key) as tmp:
                     torch.save(head, tmp / "head.pt")
     torch.save([dataclasses.replace(t, head=None) for t in texts], path)
 
 
-def load_reference_texts(path: Path, cache: Cache, model_key: str) -> list[divergence.ReferenceText]:
-    """Per-token references saved by :func:`save_reference_texts`, with the model's head put back."""
+def load_reference_texts(path: Path, cache: Cache, model_key: str) -> list[divergence.ReferenceText] | None:
+    """Per-token references saved by :func:`save_reference_texts`, with the model's head put back.
+
+    None when the head's entry is missing or damaged (moved aside): the reference is then recomputed.
+    """
     texts = torch.load(path, weights_only=False)
     if any(t.hidden is not None for t in texts):
-        head = torch.load(cache.entry("heads", model_key) / "head.pt", weights_only=False)
+        with cache.lock("heads", model_key):
+            if not cache.usable("heads", model_key):
+                return None
+            head = torch.load(cache.entry("heads", model_key) / "head.pt", weights_only=False)
         texts = [dataclasses.replace(t, head=head if t.hidden is not None else None) for t in texts]
     return texts
 

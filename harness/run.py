@@ -130,7 +130,8 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     with timings.stage("evaluate"):
         evaluated = evaluate_quantized(loaded, checked.slices, cfg, checkpoint)
     if deferred:
-        with timings.stage("reference_wait"):
+        # the child's thread count: a reference computed here after the child died matches the divergence stage
+        with timings.stage("reference_wait"), background_reference.scoring_threads(background, runtime["threads"]):
             references.update(deferred_references(loaded, deferred, cfg, cache))
         references = {s.name: references[s.name] for s in checked.slices}
     runtime.update(background_reference.collect(background, timings.meter))

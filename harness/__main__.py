@@ -3,7 +3,8 @@
 Hydra composes and validates the config; errors a user can fix (an unknown config-group option,
 a model that cannot be loaded, a scheme that cannot apply, an unusable slice or tracking store —
 :func:`harness.cli.user_errors`) print one ``error: ...`` line naming the fix and exit with
-status 2, without Hydra's "Error executing job" traceback. Real bugs keep their traceback.
+status 2, without Hydra's "Error executing job" traceback. A disk that fills up during the job
+prints one line too (where, how much, how to resume) and exits with 75. Real bugs keep their traceback.
 """
 from __future__ import annotations
 
@@ -22,10 +23,18 @@ register_configs()
 def main(cfg: DictConfig) -> float | None:
     from harness.run import run
 
+    from harness import resources
+
     try:
         result = run(cfg)
     except cli.user_errors() as exc:
         sys.exit(cli.fail(str(exc)))  # SystemExit passes Hydra's job wrapper: no traceback around it
+    except Exception as exc:  # a full disk mid-job: one line, a status of its own, a rerun resumes
+        if not resources.is_disk_full(exc):
+            raise
+        print(f"error: {resources.disk_full_message(exc, {k: cfg.paths[k.split('.')[1]] for k in resources.PATHS})}",
+              file=sys.stderr)
+        sys.exit(resources.EXIT_DISK_FULL)
     return result.get("metrics", {}).get("overall/kl_mean")
 
 

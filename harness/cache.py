@@ -30,12 +30,55 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from harness.cli import UsageError
 from harness.locks import OwnedLock, holds
 
 log = logging.getLogger(__name__)
 
 # How long a job waits for another job's lock (whose heartbeat is alive) before giving up with an error.
 LOCK_TIMEOUT_S = float(os.environ.get("HARNESS_LOCK_TIMEOUT_S", 12 * 3600))
+
+
+class CacheDirError(PermissionError, UsageError):
+    """The cache directory cannot hold the harness's entries or locks; the message names the fix."""
+
+
+def check_cache_dir(root: str | os.PathLike) -> None:
+    """Fail in one line, before any work, when ``root`` is not writable or lacks what the locks need.
+
+    The locks (harness.locks) need an exclusive create (``O_CREAT | O_EXCL``) that fails on an
+    existing file, hard links (a broken lock taken meanwhile is put back with one) and renames;
+    entries need renames and writes. All are tried on a probe file.
+    """
+    root = Path(root).expanduser()
+    fix = f"set paths.cache_dir to a writable directory on a local disk or a shared file system with these (now {root})"
+    probe = root / f".probe-{os.getpid()}-{time.monotonic_ns()}"
+    linked, moved = probe.with_name(probe.name + ".link"), probe.with_name(probe.name + ".moved")
+    step = "create the cache directory"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        step = "create a file in it"
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        step = "see an exclusive create fail on an existing file (the locks rely on it)"
+        try:
+            os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        except FileExistsError:
+            pass
+        else:
+            raise CacheDirError(f"paths.cache_dir={root}: an exclusive create (O_EXCL) succeeded on an existing file, "
+                                f"so two jobs could both hold a lock; {fix}")
+        step = "hard-link a file (the locks put a lock back with one)"
+        os.link(probe, linked)
+        step = "rename a file"
+        os.rename(linked, moved)
+    except OSError as exc:
+        if isinstance(exc, CacheDirError):
+            raise
+        raise CacheDirError(f"paths.cache_dir={root}: cannot {step} ({exc.strerror or exc}); {fix}") from None
+    finally:
+        for path in (probe, linked, moved):
+            with contextlib.suppress(OSError):
+                path.unlink()
 
 
 def stable_hash(obj: Any, length: int = 16) -> str:

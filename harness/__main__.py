@@ -32,7 +32,7 @@ def main(cfg: DictConfig) -> float | None:
     except Exception as exc:  # a full disk mid-job: one line, a status of its own, a rerun resumes
         if not resources.is_disk_full(exc):
             raise
-        print(f"error: {resources.disk_full_message(exc, {k: cfg.paths[k.split('.')[1]] for k in resources.PATHS})}",
+        print(f"\nerror: {resources.disk_full_message(exc, {k: cfg.paths[k.split('.')[1]] for k in resources.PATHS})}",
               file=sys.stderr)
         sys.exit(resources.EXIT_DISK_FULL)
     return result.get("metrics", {}).get("overall/kl_mean")

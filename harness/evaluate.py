@@ -211,6 +211,8 @@ def run_lm_eval(lm: Any, slice_: Slice, settings: EvalSettings, checkpoint: str 
     from lm_eval.api.model import CacheHook
     from lm_eval.tasks import TaskManager
 
+    # sqlitedict's writer thread logs a stack for a failed write (a full disk) and re-raises it here anyway
+    logging.getLogger("sqlitedict").setLevel(logging.CRITICAL)
     registry = slice_.directory is None
     metadata = slice_.metadata(settings.seed, settings.tokenizer_path, settings.max_length)
     manager = TaskManager(include_path=None if registry else str(slice_.directory),

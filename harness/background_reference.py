@@ -265,7 +265,7 @@ def _child(cfg: RunConfig, slice_names: list[str], threads: int, ready: Any, don
     """The second process: take the references' locks, say which, compute them, report the cost."""
     import torch
 
-    from harness.reference_stage import compute_reference
+    from harness.reference_stage import compute_reference, reference_lock
 
     torch.set_num_threads(threads)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][reference process][%(levelname)s] - %(message)s")
@@ -277,7 +277,7 @@ def _child(cfg: RunConfig, slice_names: list[str], threads: int, ready: Any, don
         slices = [s for s in resolve(cfg.slices) if s.name in slice_names]
         mine = []
         for slice_ in slices:
-            lock = cache.lock("reference", reference_key(loaded, slice_, cfg), timeout=0)
+            lock = reference_lock(cache, reference_key(loaded, slice_, cfg), cfg, timeout=0)
             try:
                 lock.acquire()
             except LockTimeout:

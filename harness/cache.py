@@ -215,17 +215,19 @@ class Cache:
     def entry(self, namespace: str, key: str) -> Path:
         return self.root / namespace / key
 
-    def lock(self, namespace: str, key: str, timeout: float | None = None) -> OwnedLock:
+    def lock(self, namespace: str, key: str, timeout: float | None = None, stall_s: float | None = None) -> OwnedLock:
         """Lock for computing one entry: the first job computes, the others wait and reuse.
 
         An owned lock file with a heartbeat (harness.locks): safe across nodes of a shared
         filesystem, broken with a warning when its holder died, and waited on at most
-        ``timeout`` seconds (default ``$HARNESS_LOCK_TIMEOUT_S``, 12 h; negative: forever).
+        ``timeout`` seconds (default ``$HARNESS_LOCK_TIMEOUT_S``, 12 h; negative: forever). With
+        ``stall_s``, the lock stops beating once its holder reported no progress for that long.
         """
         lock_dir = self.root / namespace
         lock_dir.mkdir(parents=True, exist_ok=True)
         # ".lease", not ".lock": filelock (this cache's former lock) leaves empty <key>.lock files behind
-        return OwnedLock(lock_dir / f"{key}.lease", timeout_s=LOCK_TIMEOUT_S if timeout is None else timeout)
+        return OwnedLock(lock_dir / f"{key}.lease", timeout_s=LOCK_TIMEOUT_S if timeout is None else timeout,
+                         stall_s=stall_s)
 
     def complete(self, namespace: str, key: str) -> bool:
         """The entry has its ``COMPLETE`` marker (a cheap look; :meth:`usable` also checks its content)."""

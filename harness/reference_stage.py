@@ -25,7 +25,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from harness import divergence, evaluate, models
+from harness import divergence, evaluate, locks, models
 from harness.cache import Cache
 from harness.locks import LockTimeout
 from harness.config import RunConfig
@@ -48,30 +48,46 @@ class SliceReference:
 def compute_reference(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig, cache: Cache) -> SliceReference:
     """The unquantized model's records and next-token reference for one slice, cached."""
     key = reference_key(loaded, slice_, cfg)
-    with cache.lock("reference", key):
+    with reference_lock(cache, key, cfg):
         entry = cache.entry("reference", key)
         cached = read_cached(loaded, slice_, cfg, cache)
         if cached is not None:
             return cached
         log.info("reference for slice %s: computing (cache miss %s)", slice_.name, key)
-        settings = eval_settings(cfg, tokenizer_dir(loaded))
-        lm = evaluate.make_lm(loaded.model, loaded.tokenizer, settings, checkpoint=cfg.model.path or None)
-        checkpoint = entry.with_name(f"{key}.checkpoint")  # per-request results of an interrupted attempt
-        restored = evaluate.checkpoint_rows(checkpoint)
-        records, aggregates = evaluate.evaluate_slice(lm, slice_, settings, checkpoint=checkpoint)
-        if slice_.config.divergence_from_reference:
-            texts = continuation_texts(slice_, cfg, settings, records, loaded.tokenizer)
-        else:
-            texts = divergence_texts(slice_, cfg, settings)
-        scored = divergence.score_reference(loaded.model, loaded.tokenizer, texts,
-                                            max_tokens=max_divergence_tokens(slice_, cfg),
-                                            topk=cfg.eval.reference_topk, store=cfg.eval.reference_store)
-        with cache.writing("reference", key) as tmp:
-            records.to_parquet(tmp / "records.parquet")
-            pd.Series(aggregates, dtype=float).to_json(tmp / "aggregates.json")
-            save_reference_texts(tmp / "divergence.pt", scored, cache, loaded.key)
-        evaluate.drop_checkpoint(checkpoint)
-        return SliceReference(records, aggregates, scored, False, restored)
+        progress = loaded.model.get_input_embeddings().register_forward_pre_hook(lambda *_: locks.progress())
+        try:
+            return _compute(loaded, slice_, cfg, cache, key, entry)
+        finally:
+            progress.remove()
+
+
+def reference_lock(cache: Cache, key: str, cfg: RunConfig, timeout: float | None = None) -> locks.OwnedLock:
+    """A reference entry's lock; it stops beating when its holder makes no progress for
+    ``runtime.reference_stall_s`` (a hung job), so a job waiting for it takes over."""
+    return cache.lock("reference", key, timeout=timeout, stall_s=cfg.runtime.reference_stall_s)
+
+
+def _compute(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig, cache: Cache, key: str,
+             entry: Path) -> SliceReference:
+    """The reference computed and stored (the caller holds its lock)."""
+    settings = eval_settings(cfg, tokenizer_dir(loaded))
+    lm = evaluate.make_lm(loaded.model, loaded.tokenizer, settings, checkpoint=cfg.model.path or None)
+    checkpoint = entry.with_name(f"{key}.checkpoint")  # per-request results of an interrupted attempt
+    restored = evaluate.checkpoint_rows(checkpoint)
+    records, aggregates = evaluate.evaluate_slice(lm, slice_, settings, checkpoint=checkpoint)
+    if slice_.config.divergence_from_reference:
+        texts = continuation_texts(slice_, cfg, settings, records, loaded.tokenizer)
+    else:
+        texts = divergence_texts(slice_, cfg, settings)
+    scored = divergence.score_reference(loaded.model, loaded.tokenizer, texts,
+                                        max_tokens=max_divergence_tokens(slice_, cfg),
+                                        topk=cfg.eval.reference_topk, store=cfg.eval.reference_store)
+    with cache.writing("reference", key) as tmp:
+        records.to_parquet(tmp / "records.parquet")
+        pd.Series(aggregates, dtype=float).to_json(tmp / "aggregates.json")
+        save_reference_texts(tmp / "divergence.pt", scored, cache, loaded.key)
+    evaluate.drop_checkpoint(checkpoint)
+    return SliceReference(records, aggregates, scored, False, restored)
 
 
 def read_cached(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig, cache: Cache) -> SliceReference | None:
@@ -99,7 +115,7 @@ def reference_unless_busy(loaded: models.LoadedModel, slice_: Slice, cfg: RunCon
     read here, exactly as :func:`compute_reference` does; only a lock with a live owner defers.
     """
     key = reference_key(loaded, slice_, cfg)
-    lock = cache.lock("reference", key, timeout=0)  # one look: a live owner's lock raises at once
+    lock = reference_lock(cache, key, cfg, timeout=0)  # one look: a live owner's lock raises at once
     try:
         lock.acquire()
     except LockTimeout:
@@ -126,7 +142,7 @@ def deferred_references(quantized: models.LoadedModel, slices: list[Slice], cfg:
     out = {}
     for slice_ in slices:
         key = reference_key(quantized, slice_, cfg)
-        with cache.lock("reference", key):  # waits for the other job (breaks its lock if it died)
+        with reference_lock(cache, key, cfg):  # waits for the other job (breaks its lock if it died or stalled)
             cached = read_cached(quantized, slice_, cfg, cache)
             if cached is not None:
                 out[slice_.name] = cached

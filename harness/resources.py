@@ -238,7 +238,8 @@ def job_writes(cfg: Any, loaded: Any, slices: list[Any], cache: Any, results_dir
         reference += vocab * hidden * 4
     calibrated = 0
     if get_method(cfg.quant.method).cacheable:  # whether its entry exists needs the calibration set: counted
-        calibrated = sum(m.weight.numel() * m.weight.element_size() for m in target_linears(model, cfg.quant)[0].values())
+        linears = target_linears(model, cfg.quant)[0].values()
+        calibrated = sum(m.weight.numel() * m.weight.element_size() for m in linears)
     writes = [Write(results_dir, int(MARGIN * results) + FIXED_BYTES, "results")]
     if reference:
         writes.append(Write(cache.root / "reference", int(MARGIN * reference), "reference cache"))

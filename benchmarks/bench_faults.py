@@ -204,6 +204,15 @@ def main() -> int:
     assert rc == 0, text[-3000:]
     undisturbed_gptq = items_of(work / "undisturbed-gptq")
 
+    def save() -> None:
+        faults = [asdict(o) for o in outcomes]
+        if options.only and Path(options.out).exists():  # a partial run replaces its faults' rows only
+            mine = {o.fault for o in outcomes}
+            faults = [f for f in json.loads(Path(options.out).read_text())["faults"] if f["fault"] not in mine] + faults
+        record = {"machine": {"cpus": os.cpu_count(), "load_before": load_before, "load_now": os.getloadavg()},
+                  "config": TINY, "faults": faults}
+        Path(options.out).write_text(json.dumps(record, indent=1) + "\n")
+
     def fault(name: str, injected: str):
         def register(body: Callable[[Path], tuple[list[int], str, Path, pd.DataFrame]]):
             if options.only and name not in options.only:
@@ -212,12 +221,15 @@ def main() -> int:
             directory = work / name.replace(" ", "-").replace("/", "-")
             directory.mkdir()
             codes, message, results, reference = body(directory)
-            aside = sorted({p.parent.name for p in directory.glob("cache/*/*.corrupt-*")})
-            recomputed = what_was_computed(results) + (f"; damaged {' and '.join(aside)} entry moved aside, rebuilt"
-                                                       if aside else "")
+            aside = sorted(directory.glob("cache/*/*.corrupt-*"))
+            moved = [f"damaged {p.parent.name} entry moved aside" + (
+                ", rebuilt" if (p.parent / p.name.split(".corrupt-")[0] / "COMPLETE").exists() else ", not rebuilt")
+                for p in aside]
+            recomputed = "; ".join([what_was_computed(results), *moved])
             outcomes.append(Outcome(name, injected, codes, message, recomputed, len(reference),
                                     lost(results, reference), round(time.perf_counter() - begin, 1)))
             print(f"{name}: exit {codes}, lost {outcomes[-1].items_lost}; {message[:160]}", flush=True)
+            save()  # after every fault: an interrupted run keeps what it measured
             return body
         return register
 
@@ -381,10 +393,7 @@ def main() -> int:
         rc = proc.wait(timeout=1800)
         return [rc], said(log.read_text(), "ended without finishing|stale"), directory / "results", undisturbed
 
-    load_after = os.getloadavg()
-    record = {"machine": {"cpus": os.cpu_count(), "load_before": load_before, "load_after": load_after},
-              "config": TINY, "faults": [asdict(o) for o in outcomes]}
-    Path(options.out).write_text(json.dumps(record, indent=1) + "\n")
+    save()
     print("\n| fault | injected | exit | the user saw | recomputed | items lost |")
     print("|---|---|---|---|---|---|")
     for o in outcomes:

@@ -297,6 +297,9 @@ def _child(cfg: RunConfig, slice_names: list[str], threads: int, ready: Any, don
     meter.begin("reference")
     start = time.perf_counter()
     for slice_, lock in zip(mine, locks):
+        if progress is not None:  # a slice starting is progress too (lm-eval builds its requests first)
+            with contextlib.suppress(OSError):
+                os.utime(progress)
         try:
             compute_reference(loaded, slice_, cfg, cache)
         except BaseException:  # noqa: BLE001 - the parent finds the entry missing and computes it

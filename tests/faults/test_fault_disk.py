@@ -146,3 +146,27 @@ def test_a_disk_that_fills_up_mid_job_ends_in_one_line_and_a_rerun_resumes(tmp_p
     undisturbed = pd.read_parquet(next((tmp_path / "undisturbed").glob("*/items.parquet")))
     pd.testing.assert_frame_equal(pd.read_parquet(next((tmp_path / "kept").glob("*/items.parquet"))), undisturbed)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def _bytes_under(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def test_the_estimate_is_at_least_what_a_job_writes(make_cfg, tmp_path, cache_dir):
+    """An upper bound, checked against a real job: results directory and reference cache, measured after it."""
+    from harness import identity, models
+    from harness.cache import Cache
+    from harness.run import run
+    from harness.slices import resolve
+
+    cfg = identity.to_config(make_cfg(*TINY, "quant=gptq_w4g128", "tracking.enabled=false", "runtime.threads=1"))
+    loaded = models.load(cfg.model, cfg.paths.cache_dir)
+    estimate = {w.what: w.bytes for w in resources.job_writes(cfg, loaded, resolve(cfg.slices), Cache(cache_dir),
+                                                              tmp_path / "results")}
+    run(cfg)
+    written = {"results": _bytes_under(tmp_path / "results"),
+               "reference cache": _bytes_under(cache_dir / "reference") + _bytes_under(cache_dir / "heads"),
+               "calibrated-weight cache": _bytes_under(cache_dir / "calibrated")}
+    for what, size in written.items():
+        assert 0 < size <= estimate[what], (what, size, estimate[what])
+    print({what: (written[what], estimate[what]) for what in written})  # the README's over-estimate factors

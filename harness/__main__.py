@@ -21,9 +21,8 @@ register_configs()
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
-    from harness.run import run
-
     from harness import resources
+    from harness.run import run
 
     try:
         result = run(cfg)
@@ -32,8 +31,8 @@ def main(cfg: DictConfig) -> float | None:
     except Exception as exc:  # a full disk mid-job: one line, a status of its own, a rerun resumes
         if not resources.is_disk_full(exc):
             raise
-        print(f"\nerror: {resources.disk_full_message(exc, {k: cfg.paths[k.split('.')[1]] for k in resources.PATHS})}",
-              file=sys.stderr)
+        paths = {"paths.results_dir": cfg.paths.results_dir, "paths.cache_dir": cfg.paths.cache_dir}
+        print(f"\nerror: {resources.disk_full_message(exc, paths)}", file=sys.stderr)  # below a progress bar
         sys.exit(resources.EXIT_DISK_FULL)
     return result.get("metrics", {}).get("overall/kl_mean")
 

@@ -163,7 +163,6 @@ def flat_metrics(summary: dict[str, Any]) -> dict[str, float]:
 # and EXIT_DISK_FULL, everything already stored kept (cache entries are written whole or not at all, and
 # lm-eval's request checkpoint keeps every finished request), so the same command resumes once there is space.
 EXIT_DISK_FULL = 75  # sysexits' EX_TEMPFAIL: a temporary failure, the same command may be run again
-PATHS = ("paths.results_dir", "paths.cache_dir")  # the settings naming where a job writes
 _FULL_TEXTS = ("no space left on device", "database or disk is full", "disk quota exceeded")
 REQUEST_BYTES = 4096  # an lm-eval request cache row (key, pickled reply, SQLite page share), generous
 ITEM_BYTES = 8192  # an item's row of items.parquet / records.parquet and its lm-eval sample log

@@ -3,7 +3,8 @@
 Hydra composes and validates the config; errors a user can fix (an unknown config-group option,
 a model that cannot be loaded, a scheme that cannot apply, an unusable slice or tracking store —
 :func:`harness.cli.user_errors`) print one ``error: ...`` line naming the fix and exit with
-status 2, without Hydra's "Error executing job" traceback. Real bugs keep their traceback.
+status 2, without Hydra's "Error executing job" traceback. A disk that fills up during the job
+prints one line too (where, how much, how to resume) and exits with 75. Real bugs keep their traceback.
 """
 from __future__ import annotations
 
@@ -20,12 +21,19 @@ register_configs()
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
+    from harness import resources
     from harness.run import run
 
     try:
         result = run(cfg)
     except cli.user_errors() as exc:
         sys.exit(cli.fail(str(exc)))  # SystemExit passes Hydra's job wrapper: no traceback around it
+    except Exception as exc:  # a full disk mid-job: one line, a status of its own, a rerun resumes
+        if not resources.is_disk_full(exc):
+            raise
+        paths = {"paths.results_dir": cfg.paths.results_dir, "paths.cache_dir": cfg.paths.cache_dir}
+        print(f"\nerror: {resources.disk_full_message(exc, paths)}", file=sys.stderr)  # below a progress bar
+        sys.exit(resources.EXIT_DISK_FULL)
     return result.get("metrics", {}).get("overall/kl_mean")
 
 

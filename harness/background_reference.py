@@ -13,6 +13,13 @@ them; this process finds those locks held by a live owner, evaluates meanwhile, 
 ``deferred_references`` waits for the entries (and computes any the child failed to finish).
 ``runtime.reference_process``: ``auto`` (CPU device, >= 2 threads, the model's weights small
 enough to hold twice, and at least one reference missing), ``true`` or ``false``.
+
+A watchdog thread of this process watches the child. A child that dies (the kernel's
+out-of-memory killer, read from the cgroup's ``oom_kill`` counter, or any other end) is reported
+in one line as what it was; a child whose progress file (touched as its model runs) is older
+than ``runtime.reference_stall_s`` is reported as stalled and killed. Either way its locks'
+owner is gone, so ``deferred_references`` breaks them and computes the references here, with
+the child's thread count (the divergence stage scores with it too).
 """
 from __future__ import annotations
 
@@ -22,7 +29,12 @@ import logging
 import multiprocessing as mp
 import os
 import queue as queue_module
-from dataclasses import dataclass
+import signal
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator
 
 from harness import models, resources
@@ -44,13 +56,22 @@ class Background:
     slices: list[str]  # the references the child holds the locks of
     threads: tuple[int, int]  # (this process, the child)
     done: Any  # the queue the child reports its tokens, seconds and memory on
+    progress: Path | None = None  # touched by the child as its model runs (the stall watchdog reads it)
+    watchdog: Any = None
+    _stop: threading.Event = field(default_factory=threading.Event)
+    ended: str | None = None  # why the child ended early, as reported (None: it did not)
 
     def join(self) -> dict[str, Any] | None:
         """Wait for the child; its report (None if it sent none)."""
+        self._stop.set()
+        if self.watchdog is not None:
+            self.watchdog.join()
         try:
-            report = self.done.get(timeout=60)
+            report = None if self.ended else self.done.get(timeout=60)
         except queue_module.Empty:
             report = None
+        if self.progress is not None:
+            self.progress.unlink(missing_ok=True)
         self.process.join(timeout=60)
         if self.process.is_alive():
             log.warning("reference process %s still running after its references were read; stopping it",
@@ -58,6 +79,70 @@ class Background:
             self.process.terminate()
             self.process.join()
         return report
+
+
+def oom_kills() -> int | None:
+    """The kernel's out-of-memory kills in this process's memory cgroup so far (None where unreadable).
+
+    cgroup v2 ``memory.events`` or v1 ``memory.oom_control``, both of which count ``oom_kill``.
+    """
+    base = Path("/sys/fs/cgroup")
+    paths = []
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if controllers == "":
+                paths.append(base / path.lstrip("/") / "memory.events")
+            elif "memory" in controllers.split(","):
+                paths.append(base / "memory" / path.lstrip("/") / "memory.oom_control")
+    except (OSError, ValueError):
+        pass
+    paths += [base / "memory.events", base / "memory" / "memory.oom_control"]  # inside a cgroup namespace
+    for path in paths:
+        try:
+            for line in path.read_text().splitlines():
+                name, _, value = line.partition(" ")
+                if name == "oom_kill":
+                    return int(value)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def why_ended(exitcode: int | None, kills_before: int | None, kills_after: int | None) -> str:
+    """What ended the child, in words, from its exit code and the cgroup's OOM-kill counts around it."""
+    if exitcode == -signal.SIGKILL:
+        if kills_before is not None and kills_after is not None and kills_after > kills_before:
+            return (f"killed by the kernel's out-of-memory killer (cgroup oom_kill {kills_before} -> {kills_after}); "
+                    "two copies of the model did not fit: runtime.reference_process=false avoids the second")
+        return "killed by SIGKILL (the kernel's out-of-memory killer, or a kill -9; dmesg says which)"
+    if exitcode is not None and exitcode < 0:
+        return f"killed by signal {signal.Signals(-exitcode).name}"
+    return f"exited with status {exitcode}"
+
+
+def _watch(background: Background, stall_s: float, kills_before: int | None) -> None:
+    """The watchdog thread: report a child that ended early; report and kill one that stalled."""
+    process, poll = background.process, min(1.0, stall_s / 4)
+    while not background._stop.wait(poll):
+        if not process.is_alive():
+            process.join()
+            if process.exitcode != 0:
+                background.ended = why_ended(process.exitcode, kills_before, oom_kills())
+                log.warning("reference process pid %d %s; this job computes the references of %s itself",
+                            process.pid, background.ended, ", ".join(background.slices))
+            return
+        try:
+            silent = time.time() - background.progress.stat().st_mtime
+        except (OSError, AttributeError):
+            continue
+        if silent > stall_s:
+            background.ended = f"made no progress for {silent:.0f} s (runtime.reference_stall_s={stall_s:g})"
+            log.warning("reference process pid %d %s; stopping it, this job computes the references of %s itself",
+                        process.pid, background.ended, ", ".join(background.slices))
+            process.kill()
+            process.join()
+            return
 
 
 def _weight_bytes(model: Any) -> int:
@@ -99,8 +184,11 @@ def start(cfg: RunConfig, loaded: models.LoadedModel, slices: list[Slice], cache
     child_threads = threads // 2
     context = mp.get_context("spawn")  # a fresh interpreter: no forked torch thread pools or locks
     ready, done = context.Queue(), context.Queue()
-    process = context.Process(target=_child, args=(cfg, missing, child_threads, ready, done), daemon=True,
-                              name="harness-reference")
+    handle, progress = tempfile.mkstemp(prefix="harness-reference-", suffix=".progress")
+    os.close(handle)
+    kills_before = oom_kills()
+    process = context.Process(target=_child, args=(cfg, missing, child_threads, ready, done, progress),
+                              daemon=True, name="harness-reference")
     process.start()
     try:
         held = ready.get(timeout=READY_TIMEOUT_S)
@@ -111,11 +199,16 @@ def start(cfg: RunConfig, loaded: models.LoadedModel, slices: list[Slice], cache
     if isinstance(held, BaseException) or not held:
         log.warning("reference process could not start (%s); computing the references here", held)
         process.join()
+        os.unlink(progress)
         return None
     torch.set_num_threads(threads - child_threads)
     log.info("reference of %s in a second process (pid %d, %d thread(s)); this one evaluates with %d (%s)",
              ", ".join(held), process.pid, child_threads, threads - child_threads, why)
-    return Background(process, held, (threads - child_threads, child_threads), done)
+    background = Background(process, held, (threads - child_threads, child_threads), done, Path(progress))
+    background.watchdog = threading.Thread(target=_watch, args=(background, cfg.runtime.reference_stall_s,
+                                                                 kills_before), name="reference-watchdog", daemon=True)
+    background.watchdog.start()
+    return background
 
 
 def collect(background: Background | None, meter: resources.StageMeter) -> dict[str, Any]:
@@ -132,7 +225,7 @@ def collect(background: Background | None, meter: resources.StageMeter) -> dict[
         use.prefill_tokens += child.prefill_tokens
         use.generated_tokens += child.generated_tokens
     return {"reference_process": background.slices, "reference_process_threads": background.threads[1],
-            "reference_process_rss_peak_gb": report.get("rss_peak_gb")}
+            "reference_process_rss_peak_gb": report.get("rss_peak_gb"), "reference_process_ended": background.ended}
 
 
 @contextlib.contextmanager
@@ -153,13 +246,26 @@ def scoring_threads(background: Background | None, threads: int) -> Iterator[Non
         torch.set_num_threads(threads)
 
 
-def _child(cfg: RunConfig, slice_names: list[str], threads: int, ready: Any, done: Any) -> None:
-    """The second process: take the references' locks, say which, compute them, report the cost."""
-    import time
+def _touching(path: str, every_s: float = 1.0) -> Any:
+    """A forward pre-hook that touches ``path`` (at most every ``every_s``): the child's progress heartbeat."""
+    last = [0.0]
 
+    def hook(module: Any, args: Any) -> None:
+        now = time.monotonic()
+        if now - last[0] >= every_s:
+            last[0] = now
+            with contextlib.suppress(OSError):
+                os.utime(path)
+
+    return hook
+
+
+def _child(cfg: RunConfig, slice_names: list[str], threads: int, ready: Any, done: Any,
+           progress: str | None = None) -> None:
+    """The second process: take the references' locks, say which, compute them, report the cost."""
     import torch
 
-    from harness.reference_stage import compute_reference
+    from harness.reference_stage import compute_reference, reference_lock
 
     torch.set_num_threads(threads)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][reference process][%(levelname)s] - %(message)s")
@@ -171,7 +277,7 @@ def _child(cfg: RunConfig, slice_names: list[str], threads: int, ready: Any, don
         slices = [s for s in resolve(cfg.slices) if s.name in slice_names]
         mine = []
         for slice_ in slices:
-            lock = cache.lock("reference", reference_key(loaded, slice_, cfg), timeout=0)
+            lock = reference_lock(cache, reference_key(loaded, slice_, cfg), cfg, timeout=0)
             try:
                 lock.acquire()
             except LockTimeout:
@@ -184,11 +290,16 @@ def _child(cfg: RunConfig, slice_names: list[str], threads: int, ready: Any, don
         ready.put(RuntimeError(f"{type(exc).__name__}: {exc}"))
         return
     ready.put([s.name for s in mine])
+    if progress is not None:
+        loaded.model.get_input_embeddings().register_forward_pre_hook(_touching(progress))  # inner calls too
     meter = resources.StageMeter()
     meter.watch(loaded.model)
     meter.begin("reference")
     start = time.perf_counter()
     for slice_, lock in zip(mine, locks):
+        if progress is not None:  # a slice starting is progress too (lm-eval builds its requests first)
+            with contextlib.suppress(OSError):
+                os.utime(progress)
         try:
             compute_reference(loaded, slice_, cfg, cache)
         except BaseException:  # noqa: BLE001 - the parent finds the entry missing and computes it

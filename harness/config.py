@@ -263,6 +263,9 @@ class RuntimeConfig:
     # auto | true | false: on a CPU job with >= 2 threads, compute missing references in a second
     # process (half the threads) while this one quantizes and evaluates (harness.background_reference)
     reference_process: str = "auto"
+    # seconds without progress (no forward of its model) after which that second process is reported
+    # as stalled, killed and replaced by this job computing its references; longer than any one step
+    reference_stall_s: float = 600.0
 
 
 @dataclass

@@ -70,10 +70,14 @@ def _harness_hflm() -> type:
     Sampling or beam requests go to HF ``generate`` as before. Log-likelihood requests that share
     a context (the choices of a multiple-choice item) run the context once
     (:func:`harness.generation.shared_context_logprobs`); the rest go through lm-eval's batches.
+    A batch (or a multiple-choice item's choices) that meets a CUDA out-of-memory error is run
+    again as two halves, down to one row (:func:`harness.generation.halve_on_oom`).
     """
     from lm_eval.models.huggingface import HFLM
 
-    from harness.generation import greedy_generate, shared_context_logprobs
+    import torch
+
+    from harness.generation import greedy_generate, halve_on_oom, shared_context_logprobs, stack_generations
 
     class HarnessHFLM(HFLM):
         def _loglikelihood_tokens(self, requests, disable_tqdm=False, override_bs=None):
@@ -90,9 +94,12 @@ def _harness_hflm() -> type:
                         any(not requests[i][2] for i in members):
                     rest.extend(members)  # lm-eval's own path (it truncates over-long inputs)
                     continue
-                answers = shared_context_logprobs(self.model, list(context), [requests[i][2] for i in members],
-                                                  pad_token_id=self.tokenizer.pad_token_id or 0, device=self.device,
-                                                  softmax_dtype=self.softmax_dtype)
+                choices = [requests[i][2] for i in members]
+                answers = halve_on_oom(
+                    lambda a, b: shared_context_logprobs(self.model, list(context), choices[a:b],
+                                                         pad_token_id=self.tokenizer.pad_token_id or 0,
+                                                         device=self.device, softmax_dtype=self.softmax_dtype),
+                    len(choices), lambda parts: [answer for part in parts for answer in part], what="choices")
                 for i, answer in zip(members, answers):
                     results[i] = answer
                     if requests[i][0] is not None:
@@ -103,7 +110,24 @@ def _harness_hflm() -> type:
                     results[i] = answer
             return results
 
+        def _model_call(self, inps, attn_mask=None, labels=None):
+            if attn_mask is not None or labels is not None:  # seq2seq: lm-eval's own call
+                return super()._model_call(inps, attn_mask, labels)
+            return halve_on_oom(lambda a, b: super(HarnessHFLM, self)._model_call(inps[a:b]), inps.shape[0],
+                                lambda parts: torch.cat(parts, dim=0), what="log-likelihood requests")
+
         def _model_generate(self, context, max_length, stop, **generation_kwargs):
+            mask = generation_kwargs.get("attention_mask")
+
+            def rows(a: int, b: int):
+                kwargs = dict(generation_kwargs, attention_mask=mask[a:b]) if mask is not None else generation_kwargs
+                return self._generate_rows(context[a:b], max_length, stop, **kwargs)
+
+            return halve_on_oom(rows, context.shape[0],
+                                lambda parts: stack_generations(parts, self.tokenizer.pad_token_id),
+                                what="generation requests")
+
+        def _generate_rows(self, context, max_length, stop, **generation_kwargs):
             greedy = not generation_kwargs.get("do_sample") and generation_kwargs.get("num_beams", 1) == 1
             mask = generation_kwargs.get("attention_mask")
             known = {"attention_mask", "do_sample", "temperature", "num_beams"}
@@ -187,6 +211,8 @@ def run_lm_eval(lm: Any, slice_: Slice, settings: EvalSettings, checkpoint: str 
     from lm_eval.api.model import CacheHook
     from lm_eval.tasks import TaskManager
 
+    # sqlitedict's writer thread logs a stack for a failed write (a full disk) and re-raises it here anyway
+    logging.getLogger("sqlitedict").setLevel(logging.CRITICAL)
     registry = slice_.directory is None
     metadata = slice_.metadata(settings.seed, settings.tokenizer_path, settings.max_length)
     manager = TaskManager(include_path=None if registry else str(slice_.directory),

@@ -17,14 +17,56 @@ those ``generate`` computes for it; only the batch composition of later steps di
 changes float rounding, not the algorithm. ``HarnessHFLM`` (``harness.evaluate``) uses it for
 lm-eval's greedy ``generate_until`` requests (``eval.generator=harness``, the default);
 ``eval.generator=hf`` keeps HF ``generate``.
+
+:func:`halve_on_oom` runs a batch again as two halves when it meets a CUDA out-of-memory error
+(recursively, down to one row): lm-eval's ``batch_size=auto`` sizes batches once, and a long
+item later can still not fit. Rows are independent, so the halves give the rows' results.
 """
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
+
+log = logging.getLogger("harness")
+T = TypeVar("T")
+
+
+def halve_on_oom(run: Callable[[int, int], T], rows: int, combine: Callable[[list[T]], T], *, what: str) -> T:
+    """``run(0, rows)``; on ``torch.cuda.OutOfMemoryError``, ``combine`` of the two halves' runs, recursively.
+
+    ``run(start, stop)`` computes rows ``[start, stop)`` of a batch. Each halving is logged (one
+    line: the batch size, what it holds, the new sizes); a single row that does not fit re-raises.
+    The failed attempt's tensors are released before the retry (the retry runs outside the
+    ``except`` block, whose traceback holds them) and CUDA's cached blocks are returned.
+    """
+    def attempt(start: int, stop: int) -> T:
+        try:
+            return run(start, stop)
+        except torch.cuda.OutOfMemoryError:
+            if stop - start <= 1:
+                log.error("CUDA out of memory on a single %s; nothing left to split (lower eval.max_length, or "
+                          "a larger GPU / model.device=auto)", what)
+                raise
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        middle = (start + stop + 1) // 2
+        log.warning("CUDA out of memory on a batch of %d %s; retrying it as batches of %d and %d", stop - start,
+                    what, middle - start, stop - middle)
+        return combine([attempt(start, middle), attempt(middle, stop)])
+
+    return attempt(0, rows)
+
+
+def stack_generations(parts: list[Tensor], pad_token_id: int) -> Tensor:
+    """Rows of ``[batch, prompt + steps]`` generations, right-padded with ``pad_token_id`` to one width."""
+    width = max(part.shape[1] for part in parts)
+    return torch.cat([torch.nn.functional.pad(part, (0, width - part.shape[1]), value=pad_token_id)
+                      for part in parts], dim=0)
 
 
 def _eos_ids(model: nn.Module) -> set[int]:

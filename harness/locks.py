@@ -9,6 +9,12 @@ its owner is on this host and no longer alive, or when its heartbeat is older th
 ``stale_s`` (the owner was killed, or its node died). Waiting longer than ``timeout_s`` raises
 an error naming the lock file and its owner. Breaking renames the lock file aside first and
 checks it is still the one judged stale, so a lock taken meanwhile by another job is put back.
+
+A lock taken with ``stall_s`` also stops beating when its holder stops making progress: the
+holder reports progress with :func:`progress` (the reference stage does on every forward of its
+model), and once none came for ``stall_s`` the heartbeat thread, which would otherwise go on
+beating for a hung main thread (a stuck file system read, a wedged GPU), says so once and lets
+the lock go stale, so a waiting job (another node of a sweep) breaks it and takes over.
 """
 from __future__ import annotations
 
@@ -29,10 +35,22 @@ STALE_S = 120.0  # twelve missed heartbeats
 POLL_S = 0.25
 _held: dict[str, "OwnedLock"] = {}  # path -> the lock this process holds (re-entrant per process)
 _held_guard = threading.Lock()
+_progress = [time.monotonic()]  # when this process last reported progress (see progress())
+
+
+def progress() -> None:
+    """Report that this process is making progress (keeps its ``stall_s`` locks beating)."""
+    _progress[0] = time.monotonic()
 
 
 class LockTimeout(TimeoutError):
     """Waited longer than allowed for a lock another job holds."""
+
+
+def holds(path: str | os.PathLike) -> bool:
+    """Whether this process holds the lock at ``path`` (taken with :class:`OwnedLock` and not released)."""
+    with _held_guard:
+        return str(Path(path).resolve()) in _held
 
 
 def _alive(pid: int) -> bool:
@@ -49,8 +67,9 @@ class OwnedLock:
     """Context manager: ``with OwnedLock(path): ...``; see the module doc."""
 
     def __init__(self, path: str | os.PathLike, *, timeout_s: float | None = None, heartbeat_s: float = HEARTBEAT_S,
-                 stale_s: float = STALE_S):
+                 stale_s: float = STALE_S, stall_s: float | None = None):
         self.path = Path(path)
+        self.stall_s = stall_s
         self.timeout_s = timeout_s if timeout_s is None or timeout_s >= 0 else None
         self.heartbeat_s, self.stale_s = heartbeat_s, stale_s
         self.owner = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
@@ -148,6 +167,7 @@ class OwnedLock:
                     "it, or if that job is gone for good, delete the lock file")
             time.sleep(POLL_S)
         self._depth = 1
+        progress()  # the stall clock starts when the lock is taken
         with _held_guard:
             _held[key] = self
         self._stop.clear()
@@ -156,6 +176,11 @@ class OwnedLock:
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
+            silent = time.monotonic() - _progress[0]
+            if self.stall_s is not None and silent > self.stall_s:
+                log.warning("no progress for %.0f s while holding %s (stall_s=%.0f); its heartbeat stops so that "
+                            "another job can take it over", silent, self.path, self.stall_s)
+                return
             try:
                 os.utime(self.path)
             except FileNotFoundError:

@@ -156,7 +156,7 @@ def _load_gguf(cfg: ModelConfig, cache: Cache, timings: dict[str, float]) -> tup
     entry_key = digest[:24]
     identity = {"source": "gguf", "sha256": digest, "file": cfg.gguf_file}
     with cache.lock("models", entry_key):
-        if not cache.complete("models", entry_key):
+        if not cache.usable("models", entry_key):  # missing, or damaged and moved aside
             log.info("dequantizing %s once (cold load; later loads read the safetensors cache)", cfg.gguf_file)
             start = time.perf_counter()
             if not path.exists():
@@ -243,8 +243,9 @@ def load_tokenizer(cfg: ModelConfig, cache: Cache) -> Any:
     if cfg.source == "gguf_package":
         path, digest = _gguf_source(cfg)
         entry = cache.entry("models", digest[:24])
-        if cache.complete("models", digest[:24]):
-            return AutoTokenizer.from_pretrained(entry)
+        with cache.lock("models", digest[:24]):  # the tokenizer's files are checked, not the weights
+            if cache.usable("models", digest[:24], only=lambda name: not name.endswith(".safetensors")):
+                return AutoTokenizer.from_pretrained(entry)
         if not path.exists():
             path = Path(importlib.import_module(cfg.path).assemble())
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

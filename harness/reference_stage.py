@@ -25,7 +25,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from harness import divergence, evaluate, models
+from harness import divergence, evaluate, locks, models
 from harness.cache import Cache
 from harness.locks import LockTimeout
 from harness.config import RunConfig
@@ -48,32 +48,63 @@ class SliceReference:
 def compute_reference(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig, cache: Cache) -> SliceReference:
     """The unquantized model's records and next-token reference for one slice, cached."""
     key = reference_key(loaded, slice_, cfg)
-    with cache.lock("reference", key):
+    with reference_lock(cache, key, cfg):
         entry = cache.entry("reference", key)
-        if cache.complete("reference", key):
-            log.info("reference for slice %s: reused from cache (%s)", slice_.name, entry)
-            texts = load_reference_texts(entry / "divergence.pt", cache, loaded.key)
-            return SliceReference(pd.read_parquet(entry / "records.parquet"),
-                                  pd.read_json(entry / "aggregates.json", typ="series").to_dict(), texts, True)
+        cached = read_cached(loaded, slice_, cfg, cache)
+        if cached is not None:
+            return cached
         log.info("reference for slice %s: computing (cache miss %s)", slice_.name, key)
-        settings = eval_settings(cfg, tokenizer_dir(loaded))
-        lm = evaluate.make_lm(loaded.model, loaded.tokenizer, settings, checkpoint=cfg.model.path or None)
-        checkpoint = entry.with_name(f"{key}.checkpoint")  # per-request results of an interrupted attempt
-        restored = evaluate.checkpoint_rows(checkpoint)
-        records, aggregates = evaluate.evaluate_slice(lm, slice_, settings, checkpoint=checkpoint)
-        if slice_.config.divergence_from_reference:
-            texts = continuation_texts(slice_, cfg, settings, records, loaded.tokenizer)
-        else:
-            texts = divergence_texts(slice_, cfg, settings)
-        scored = divergence.score_reference(loaded.model, loaded.tokenizer, texts,
-                                            max_tokens=max_divergence_tokens(slice_, cfg),
-                                            topk=cfg.eval.reference_topk, store=cfg.eval.reference_store)
-        with cache.writing("reference", key) as tmp:
-            records.to_parquet(tmp / "records.parquet")
-            pd.Series(aggregates, dtype=float).to_json(tmp / "aggregates.json")
-            save_reference_texts(tmp / "divergence.pt", scored, cache, loaded.key)
-        evaluate.drop_checkpoint(checkpoint)
-        return SliceReference(records, aggregates, scored, False, restored)
+        progress = loaded.model.get_input_embeddings().register_forward_pre_hook(lambda *_: locks.progress())
+        try:
+            return _compute(loaded, slice_, cfg, cache, key, entry)
+        finally:
+            progress.remove()
+
+
+def reference_lock(cache: Cache, key: str, cfg: RunConfig, timeout: float | None = None) -> locks.OwnedLock:
+    """A reference entry's lock; it stops beating when its holder makes no progress for
+    ``runtime.reference_stall_s`` (a hung job), so a job waiting for it takes over."""
+    return cache.lock("reference", key, timeout=timeout, stall_s=cfg.runtime.reference_stall_s)
+
+
+def _compute(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig, cache: Cache, key: str,
+             entry: Path) -> SliceReference:
+    """The reference computed and stored (the caller holds its lock)."""
+    settings = eval_settings(cfg, tokenizer_dir(loaded))
+    lm = evaluate.make_lm(loaded.model, loaded.tokenizer, settings, checkpoint=cfg.model.path or None)
+    checkpoint = entry.with_name(f"{key}.checkpoint")  # per-request results of an interrupted attempt
+    restored = evaluate.checkpoint_rows(checkpoint)
+    records, aggregates = evaluate.evaluate_slice(lm, slice_, settings, checkpoint=checkpoint)
+    if slice_.config.divergence_from_reference:
+        texts = continuation_texts(slice_, cfg, settings, records, loaded.tokenizer)
+    else:
+        texts = divergence_texts(slice_, cfg, settings)
+    scored = divergence.score_reference(loaded.model, loaded.tokenizer, texts,
+                                        max_tokens=max_divergence_tokens(slice_, cfg),
+                                        topk=cfg.eval.reference_topk, store=cfg.eval.reference_store)
+    with cache.writing("reference", key) as tmp:
+        records.to_parquet(tmp / "records.parquet")
+        pd.Series(aggregates, dtype=float).to_json(tmp / "aggregates.json")
+        save_reference_texts(tmp / "divergence.pt", scored, cache, loaded.key)
+    evaluate.drop_checkpoint(checkpoint)
+    return SliceReference(records, aggregates, scored, False, restored)
+
+
+def read_cached(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig, cache: Cache) -> SliceReference | None:
+    """The cached reference of a slice; None when it is missing or damaged (then moved aside, with a warning).
+
+    Call under the entry's lock. ``loaded`` only names the entry (a quantized model may be passed).
+    """
+    key = reference_key(loaded, slice_, cfg)
+    if not cache.usable("reference", key):
+        return None
+    entry = cache.entry("reference", key)
+    texts = load_reference_texts(entry / "divergence.pt", cache, loaded.key)
+    if texts is None:  # its model's frozen head was damaged: the entry is recomputed with it
+        return None
+    log.info("reference for slice %s: reused from cache (%s)", slice_.name, entry)
+    return SliceReference(pd.read_parquet(entry / "records.parquet"),
+                          pd.read_json(entry / "aggregates.json", typ="series").to_dict(), texts, True)
 
 
 def reference_unless_busy(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig,
@@ -84,7 +115,7 @@ def reference_unless_busy(loaded: models.LoadedModel, slice_: Slice, cfg: RunCon
     read here, exactly as :func:`compute_reference` does; only a lock with a live owner defers.
     """
     key = reference_key(loaded, slice_, cfg)
-    lock = cache.lock("reference", key, timeout=0)  # one look: a live owner's lock raises at once
+    lock = reference_lock(cache, key, cfg, timeout=0)  # one look: a live owner's lock raises at once
     try:
         lock.acquire()
     except LockTimeout:
@@ -111,12 +142,13 @@ def deferred_references(quantized: models.LoadedModel, slices: list[Slice], cfg:
     out = {}
     for slice_ in slices:
         key = reference_key(quantized, slice_, cfg)
-        with cache.lock("reference", key):  # waits for the other job (breaks its lock if it died)
-            if cache.complete("reference", key):
-                out[slice_.name] = compute_reference(quantized, slice_, cfg, cache)  # reads the entry
+        with reference_lock(cache, key, cfg):  # waits for the other job (breaks its lock if it died or stalled)
+            cached = read_cached(quantized, slice_, cfg, cache)
+            if cached is not None:
+                out[slice_.name] = cached
                 continue
-            log.warning("reference for slice %s: the job computing it ended without finishing it; loading the "
-                        "unquantized model again to compute it here", slice_.name)
+            log.warning("reference for slice %s: the job computing it ended without finishing it (or its entry "
+                        "was damaged); loading the unquantized model again to compute it here", slice_.name)
             if unquantized is None:
                 unquantized = models.load(cfg.model, cfg.paths.cache_dir)
             out[slice_.name] = compute_reference(unquantized, slice_, cfg, cache)
@@ -128,17 +160,23 @@ def save_reference_texts(path: Path, texts: list[divergence.ReferenceText], cach
     head = next((t.head for t in texts if t.head is not None), None)
     if head is not None:
         with cache.lock("heads", model_key):
-            if not cache.complete("heads", model_key):
+            if not cache.usable("heads", model_key):
                 with cache.writing("heads", model_key) as tmp:
                     torch.save(head, tmp / "head.pt")
     torch.save([dataclasses.replace(t, head=None) for t in texts], path)
 
 
-def load_reference_texts(path: Path, cache: Cache, model_key: str) -> list[divergence.ReferenceText]:
-    """Per-token references saved by :func:`save_reference_texts`, with the model's head put back."""
+def load_reference_texts(path: Path, cache: Cache, model_key: str) -> list[divergence.ReferenceText] | None:
+    """Per-token references saved by :func:`save_reference_texts`, with the model's head put back.
+
+    None when the head's entry is missing or damaged (moved aside): the reference is then recomputed.
+    """
     texts = torch.load(path, weights_only=False)
     if any(t.hidden is not None for t in texts):
-        head = torch.load(cache.entry("heads", model_key) / "head.pt", weights_only=False)
+        with cache.lock("heads", model_key):
+            if not cache.usable("heads", model_key):
+                return None
+            head = torch.load(cache.entry("heads", model_key) / "head.pt", weights_only=False)
         texts = [dataclasses.replace(t, head=head if t.hidden is not None else None) for t in texts]
     return texts
 

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness import (background_reference, candidate, cli, devices, divergence, evaluate, gate, ledger, longgen,
                      models, placement, quant, report, resources, summary, sweep, tracking)
-from harness.cache import Cache, atomic_write_json, atomic_write_text
+from harness.cache import Cache, atomic_write_json, atomic_write_text, check_cache_dir
 from harness.config import RunConfig
 from harness.identity import check_backend, config_dict, eval_settings, run_key, run_name, to_config, tokenizer_dir
 from harness.reference_stage import SliceReference, deferred_references, reference_unless_busy, share_heads
@@ -113,6 +113,7 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
         _log_to_mlflow(results_dir, cfg, checked)
         return pd.read_json(results_dir / "summary.json", typ="series").to_dict()
     checkpoint = results_dir / "checkpoint"  # lm-eval's per-request results: a killed job resumes from them
+    resources.check_disk_space(resources.job_writes(cfg, loaded, checked.slices, cache, results_dir))
     if cfg.force:
         shutil.rmtree(checkpoint, ignore_errors=True)
 
@@ -131,7 +132,8 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     with timings.stage("evaluate"):
         evaluated = evaluate_quantized(loaded, checked.slices, cfg, checkpoint)
     if deferred:
-        with timings.stage("reference_wait"):
+        # the child's thread count: a reference computed here after the child died matches the divergence stage
+        with timings.stage("reference_wait"), background_reference.scoring_threads(background, runtime["threads"]):
             references.update(deferred_references(loaded, deferred, cfg, cache))
         references = {s.name: references[s.name] for s in checked.slices}
     runtime.update(background_reference.collect(background, timings.meter))
@@ -180,6 +182,7 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
 
 def preflight(cfg: RunConfig) -> Preflight:
     """Every check that costs nothing, before anything expensive (bad input fails here)."""
+    check_cache_dir(cfg.paths.cache_dir)  # writable, with the locking the cache needs
     slices = resolve(cfg.slices)
     check_hub_for_registry(slices)
     quant.validate_scheme(cfg.quant)

@@ -8,7 +8,9 @@ the weights (method, weight spec, targets, method settings; *not* the name, acti
 KV-cache settings, so ``gptq_w4g128_kv8`` reuses ``gptq_w4g128``'s entry), the calibration
 source when it is not the default (name and text digest) and the content hash of the
 calibration tokens. The first job computes under the entry's file lock;
-concurrent jobs wait on it and then load.
+concurrent jobs wait on it and then load. Every entry is checked against its manifest (size and
+SHA-256 per file, :meth:`harness.cache.Cache.usable`) before a single weight is copied into the
+model, so a damaged entry can never leave the model half-loaded.
 """
 from __future__ import annotations
 
@@ -91,7 +93,7 @@ def run_cached(model: nn.Module, scheme: QuantConfig, context: Any, report: Quan
         return False
     key = calibrated_key(context.model_key, scheme, context.calibration_hash)
     with cache.lock(NAMESPACE, key):
-        if cache.complete(NAMESPACE, key):
+        if cache.usable(NAMESPACE, key):  # complete and intact (a damaged entry is moved aside and recomputed)
             _load(model, cache.entry(NAMESPACE, key), report)
             log.info("%s: loaded calibrated weights from the cache (%s)", scheme.method, key)
             report.notes.append(f"{scheme.method}: calibrated weights loaded from cache entry {key}")

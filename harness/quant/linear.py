@@ -13,9 +13,9 @@ W8A8/W4A4 kernel computes it (``torch._scaled_mm``, CUTLASS, Marlin-FP8 W8A8: FP
 multiplied exactly, accumulated in fp32/int32, scaled by fp32 scales, one rounding of the output).
 Rounding the dequantized operands to bf16 first (``linear(bf16(fq(x)), bf16(fq(W)))``) adds a
 correlated error the kernel does not make: each weight's rounding depends only on its code's
-mantissa and its row's scale. On SmolLM2-135M it tipped the second token of a shared prompt into
-a second massive activation and made FP8 W8A8 4.7x worse in bf16 than in float32 (issue 23;
-README, *FP8 W8A8 in bf16*). :func:`keep_float32_weights` therefore keeps the dequantized weights
+mantissa and its row's scale. On SmolLM2-135M's math texts it pushed the second token of a shared
+prompt toward a second massive activation: FP8 W8A8 KL 0.211 in bf16 where the real FP8 GEMM
+gives 0.079 (issue 23; README, *FP8 W8A8 in bf16*). :func:`keep_float32_weights` therefore keeps the dequantized weights
 of activation-quantized targets in float32 on a bf16/fp16 model (2 more bytes per weight).
 """
 from __future__ import annotations

@@ -22,6 +22,15 @@ and writes every measurement to ``out`` (JSON). Exit status 1 when any check FAI
   ``none``), and an 8-token greedy generation (FAIL unless it produces 8 tokens).
 - ``formats``: each tensor format's fake quantization of the same random tensor on CUDA and on
   the CPU (FAIL when more than 0.1 % of values land on different grid points).
+- ``fp8_gemm``: the simulated FP8 W8A8 linear (``quant=fp8``: per-channel E4M3 weights, per-token
+  E4M3 activations) in bf16 against the real FP8 GEMM, ``torch._scaled_mm`` on E4M3 codes with
+  fp32 row-wise scales (vLLM's FP8_DYNAMIC kernel; SKIP below sm_89 or without ``_scaled_mm``), on
+  the 8B layer shapes with uneven channels and one massive-activation token: relative error of the
+  simulation and share of outputs that differ (FAIL unless under a quarter of the error of the old
+  simulation, which rounded both dequantized operands to bf16 before a bf16 GEMM: issue 23);
+  ``use_fast_accum=True`` (Hopper's reduced-precision FP8 accumulation) reported beside it. Then a
+  2-layer model of the shape: KL(real ‖ simulated) on 4 × 512 random tokens (FAIL unless under a
+  tenth of the scheme's own KL(bf16 ‖ real)).
 - ``e2e``: the whole harness on ``tiny_random`` in bf16 on CUDA: RTN int4, GPTQ with
   ``model.device=cuda`` and with ``cuda:0`` (FAIL unless both run and agree exactly), an FP8 KV
   cache, and the null scheme (FAIL unless KL is exactly 0).
@@ -288,6 +297,122 @@ def section_formats(check: Check, device: torch.device) -> None:
         check.step(f"formats/{name}", one)
 
 
+def _fp8_unsupported(device: torch.device) -> str | None:
+    """Why the real FP8 GEMM cannot run here (None when it can)."""
+    if not hasattr(torch, "_scaled_mm"):
+        return f"torch {torch.__version__} has no torch._scaled_mm"
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"sm_{major}{minor} has no FP8 tensor cores (sm_89 or newer)"
+    return None
+
+
+def _e4m3_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 codes of each row and its fp32 scale amax/448, with torch's own cast (not harness.quant)."""
+    t = t.float()
+    scale = t.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448.0
+    return (t / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+
+
+def real_fp8_linear(x: torch.Tensor, weight: torch.Tensor, fast_accum: bool = False) -> torch.Tensor:
+    """The deployed FP8 W8A8 GEMM of ``x`` [..., in] and the unquantized ``weight`` [out, in]."""
+    flat = x.reshape(-1, x.shape[-1])
+    x_codes, x_scale = _e4m3_rows(flat)
+    w_codes, w_scale = _e4m3_rows(weight)
+    out = torch._scaled_mm(x_codes, w_codes.t(), scale_a=x_scale, scale_b=w_scale.t().contiguous(),
+                           out_dtype=x.dtype, use_fast_accum=fast_accum)
+    return out.reshape(*x.shape[:-1], -1)
+
+
+class _RealFp8Linear(torch.nn.Module):
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = real_fp8_linear(x, self.weight)
+        return out if self.bias is None else out + self.bias
+
+
+def _fp8_scheme(all_linears: bool) -> Any:
+    from harness import quant
+    from harness.config import compose
+    from harness.run import to_config
+    scheme = quant.with_model_defaults(to_config(compose(["model=tiny_random", "quant=fp8"])).quant, False)
+    if all_linears:
+        scheme.targets, scheme.keep = ["*"], []
+    return scheme
+
+
+def section_fp8_gemm(check: Check, device: torch.device, shape: dict) -> None:
+    from harness import quant
+    from harness.config import TensorQuantConfig
+    reason = _fp8_unsupported(device)
+    if reason is not None:
+        check.line("SKIP", "fp8_gemm", reason)
+        return
+    tokens = 512 if not check.options.dry_run else 32
+    hidden, inter = shape["hidden_size"], shape["intermediate_size"]
+    generator = torch.Generator().manual_seed(6)
+    weight_spec = TensorQuantConfig(format="fp8_e4m3", granularity="channel")
+    input_spec = TensorQuantConfig(format="fp8_e4m3", granularity="token")
+    for label, (out_features, in_features) in {"q_proj": (hidden, hidden), "gate_proj": (inter, hidden),
+                                               "down_proj": (hidden, inter)}.items():
+        def one(label: str = label, out_features: int = out_features, in_features: int = in_features) -> None:
+            weight = (torch.randn(out_features, in_features, generator=generator) * 0.02).to(device, torch.bfloat16)
+            x = torch.randn(tokens, in_features, generator=generator) * torch.linspace(0.1, 4.0, in_features)
+            x[0, :: max(in_features // 8, 1)] *= 100.0  # a massive-activation (attention-sink) token
+            x = x.to(device, torch.bfloat16)
+            layer = torch.nn.Sequential(torch.nn.Linear(in_features, out_features, bias=False, device=device,
+                                                        dtype=torch.bfloat16))
+            with torch.no_grad():
+                layer[0].weight.copy_(weight)
+                quant.apply(layer, _fp8_scheme(all_linears=True), None)
+                simulated = layer(x).float()
+                real = real_fp8_linear(x, weight).float()
+                fast = real_fp8_linear(x, weight, fast_accum=True).float()
+                old = torch.nn.functional.linear(quant.fake_quantize(x, input_spec),
+                                                 quant.fake_quantize(weight, weight_spec)).float()
+
+            def rel(a: torch.Tensor) -> float:
+                return float((a - real).norm() / real.norm())
+
+            sim_err, old_err, fast_err = rel(simulated), rel(old), rel(fast)
+            differ = float((simulated != real).float().mean())
+            ok = sim_err <= 0.25 * old_err
+            check.line("PASS" if ok else "FAIL", f"fp8_gemm/{label}",
+                       f"{tokens}x{in_features}->{out_features} bf16: simulated vs torch._scaled_mm rel. error "
+                       f"{sim_err:.2e} ({differ:.2%} of outputs differ); bf16-operand simulation {old_err:.2e}; "
+                       f"use_fast_accum {fast_err:.2e}", "< 1/4 of the bf16-operand simulation's error",
+                       rel_error=sim_err, share_differ=differ, old_rel_error=old_err, fast_accum_rel_error=fast_err)
+        check.step(f"fp8_gemm/{label}", one)
+
+    def model_level() -> None:
+        base = random_llama(shape, 2, device, torch.bfloat16, seed=7)
+        ids = torch.randint(0, shape["vocab_size"], (4, 512 if not check.options.dry_run else 64),
+                            generator=torch.Generator().manual_seed(8)).to(device)
+        real = copy.deepcopy(base)
+        for parent in list(real.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.Linear) and name != "lm_head":
+                    setattr(parent, name, _RealFp8Linear(child))
+        simulated = copy.deepcopy(base)
+        quant.apply(simulated, _fp8_scheme(all_linears=False), None)
+        with torch.no_grad():
+            reference_logits = base(ids, use_cache=False).logits
+            real_logits = real(ids, use_cache=False).logits
+            simulated_logits = simulated(ids, use_cache=False).logits
+        scheme_kl, gap_kl = _mean_kl(reference_logits, real_logits), _mean_kl(real_logits, simulated_logits)
+        ok = math.isfinite(gap_kl) and scheme_kl > 0 and gap_kl <= 0.1 * scheme_kl
+        check.line("PASS" if ok else "FAIL", "fp8_gemm/model", f"2 blocks bf16: KL(real ‖ simulated) {gap_kl:.3g}, "
+                   f"scheme KL(bf16 ‖ real) {scheme_kl:.3g}", "gap < 1/10 of the scheme's KL",
+                   kl_gap=gap_kl, kl_scheme=scheme_kl)
+        del base, real, simulated
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    check.step("fp8_gemm/model", model_level)
+
+
 def section_generation(check: Check, device: torch.device, shape: dict) -> None:
     """harness.generation's greedy decode against HF generate on the device in bf16 (2 blocks of the shape)."""
     from harness.generation import greedy_generate
@@ -370,6 +495,7 @@ def body(parsed: cli.Parsed[Options]) -> int:
         check.step("8b", lambda: section_8b(check, device, shape))
         check.step("schemes", lambda: section_schemes(check, device, shape, work / "calibrated"))
         check.step("formats", lambda: section_formats(check, device))
+        check.step("fp8_gemm", lambda: section_fp8_gemm(check, device, shape))
         check.step("generation", lambda: section_generation(check, device, shape))
         check.step("e2e", lambda: section_e2e(check, device_name, work))
     failed = [row["check"] for row in check.rows if row["status"] == "FAIL"]

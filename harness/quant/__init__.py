@@ -21,7 +21,7 @@ from harness.quant.base import (MethodSpec, QuantReport, available_methods, cali
                                 validate_for_model, validate_scheme, with_model_defaults)
 from harness.quant.calibrated_cache import run_cached
 from harness.quant.kv import install_kv_quant
-from harness.quant.linear import calibrate_static_scales, install_activation_quant
+from harness.quant.linear import calibrate_static_scales, install_activation_quant, keep_float32_weights
 from harness.quant.tensor import NumberFormat, SchemeError, fake_quantize, get_format, register_format
 
 __all__ = ["apply", "changes_weights", "MethodSpec", "NumberFormat", "QuantReport", "SchemeError", "available_methods",
@@ -49,6 +49,8 @@ def apply(model: nn.Module, scheme: QuantConfig, context: Any = None) -> QuantRe
     start = time.perf_counter()
     report = QuantReport(scheme=scheme.name, method=scheme.method,
                          total_params=sum(p.numel() for p in model.parameters()))
+    if scheme.activations is not None:  # W8A8 / W4A4: the GEMM's operands stay exact (harness.quant.linear)
+        keep_float32_weights(target_linears(model, scheme)[0])
     if spec.cacheable:
         run_cached(model, scheme, context, report, lambda: spec.quantize(model, scheme, context, report))
     else:

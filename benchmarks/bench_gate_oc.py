@@ -194,7 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=20261201)
     parser.add_argument("--quick", action="store_true", help="a smaller grid")
     parser.add_argument("--out", default="benchmarks/results/gate_oc.json")
+    parser.add_argument("--table", metavar="JSON", help="print the README tables of a results file and exit")
     args = parser.parse_args(argv)
+    if args.table:
+        print(markdown(json.loads(Path(args.table).read_text())), end="")
+        return 0
     rng = np.random.default_rng(args.seed)
     start = time.perf_counter()
     rows = [row for design in grid(args.quick) if (row := run_row(rng, design, args.reps)) is not None]
@@ -228,6 +232,48 @@ def main(argv: list[str] | None = None) -> int:
                                                       "partial", "margin", "false_pass")})
     print(f"max false fail {s['max_false_fail']:.4f}; ship rule least favourable: {s['ship_least_favourable']}")
     return 0
+
+
+
+def markdown(result: dict) -> str:
+    """README tables from a results file: per cluster structure (rows) and (n, margin) (columns)."""
+    rows = result["rows"]
+
+    def structure(r: dict) -> str:
+        return "each item its own" if r["clusters"] == r["n"] else f"{r['clusters']} clusters, ρ {r['rho']:g}"
+
+    structures = list(dict.fromkeys(structure(r) for r in rows))
+    sizes = list(dict.fromkeys((r["n"], r["margin"]) for r in rows))
+    header = "| clusters | " + " | ".join(f"n {n}, m {100 * m:g} pt" for n, m in sizes) + " |"
+    rule = "|---|" + "---:|" * len(sizes)
+
+    def table(cell) -> list[str]:
+        out = [header, rule]
+        for name in structures:
+            cells = []
+            for size in sizes:
+                group = [r for r in rows if structure(r) == name and (r["n"], r["margin"]) == size]
+                cells.append(cell(group) if group else "–")
+            out.append(f"| {name} | " + " | ".join(cells) + " |")
+        return out
+
+    def false_pass(group):
+        return f"{max(r['false_pass'] for r in group):.3f} ({max(r['false_pass_old'] for r in group):.3f})"
+
+    def power(key):  # flips both ways: with flips one way Δ = 0 means no flips at all (power 1 from n ~ 100)
+        def cell(group):
+            both = [r[key] for r in group if r["pattern"] == "both"]
+            return f"{float(np.median(both)):.2f}" if both else "–"
+        return cell
+
+    lines = [f"False-pass rate at Δ = -m, the largest over reference accuracies {sorted({r['p_ref'] for r in rows})}, "
+             "flip patterns and 0/1 vs partial credit (the old Wald rule in brackets); "
+             f"{result['reps']} data sets per design, Monte-Carlo SE {result['mc_se_at_alpha']:.4f} at α:", ""]
+    lines += table(false_pass)
+    lines += ["", "Power at Δ = 0, flips both ways (10 % / 20 % of items), median over accuracies and scoring:", ""]
+    lines += table(power("power_zero"))
+    lines += ["", "Power at Δ = -m/2, the same designs:", ""] + table(power("power_half"))
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -39,18 +39,25 @@ class Options:
     out: str = field(default=str(RESULTS / "served_kl.json"), metadata={"help": "JSON written here"})
 
 
+# What is ranked against the accuracy drop: (token kind, per-token value); a mean over the kind's tokens.
+MEASURES = {
+    "served KL": ("reply", lambda t: t["kl"]),
+    "plain KL": ("plain", lambda t: t["kl"]),
+    "served prompt KL": ("prompt", lambda t: t["kl"]),
+    "served top-1 disagreement": ("reply", lambda t: (t["top1_ref"] != t["top1_quant"]).astype(float)),
+    "served NLL increase": ("reply", lambda t: t["nll_quant"] - t["nll_ref"]),
+}
+
+
 @dataclass
 class Point:
-    """One run on one slice: per-item correctness and per-text KL sums, aligned for resampling."""
+    """One run on one slice: per-item correctness and per-text sums of each measure, aligned for resampling."""
 
     label: str
     slice: str
     correct_ref: np.ndarray  # [items]
     correct_quant: np.ndarray  # [items]
-    served_sum: np.ndarray  # [items] sum of reply-position KL of each item's served text
-    served_n: np.ndarray  # [items] reply tokens
-    plain_sum: np.ndarray  # [plain texts]
-    plain_n: np.ndarray
+    sums: dict  # measure -> (per-unit sums, per-unit token counts); units: items (served kinds) or plain texts
     row: dict
 
 
@@ -73,11 +80,6 @@ def _label(config: dict) -> str:
     return f"{quant['name']} · {fmt} calib."
 
 
-def _per_text(tokens: pd.DataFrame, kind: str) -> pd.DataFrame:
-    rows = tokens[tokens["kind"] == kind]
-    return rows.groupby("text", sort=True)["kl"].agg(["sum", "count"])
-
-
 def load_points(directory: Path) -> list[Point]:
     summary = json.loads((directory / "summary.json").read_text())
     config = json.loads((directory / "config.json").read_text())
@@ -86,21 +88,26 @@ def load_points(directory: Path) -> list[Point]:
     label, metrics, points = _label(config), summary["metrics"], []
     for name, group in items.groupby("slice", sort=False):
         slice_tokens = tokens[tokens["slice"] == name]
-        served, plain = _per_text(slice_tokens, "reply"), _per_text(slice_tokens, "plain")
-        served_all = slice_tokens.loc[slice_tokens["kind"] != "plain", "text"].drop_duplicates().sort_values()
-        if len(served_all) != len(group):
-            raise cli.UsageError(f"{directory}: {len(served_all)} served texts for {len(group)} items of {name}; "
+        served_texts = slice_tokens.loc[slice_tokens["kind"] != "plain", "text"].drop_duplicates().sort_values()
+        plain_texts = slice_tokens.loc[slice_tokens["kind"] == "plain", "text"].drop_duplicates().sort_values()
+        if len(served_texts) != len(group):
+            raise cli.UsageError(f"{directory}: {len(served_texts)} served texts for {len(group)} items of {name}; "
                                  "the bootstrap pairs them item by item (run with served_texts unset)")
-        served = served.reindex(served_all.to_numpy(), fill_value=0)
+        sums = {}
+        for measure, (kind, value) in MEASURES.items():
+            rows = slice_tokens[slice_tokens["kind"] == kind]
+            per_text = rows.assign(v=value(rows)).groupby("text")["v"].agg(["sum", "count"])
+            units = plain_texts if kind == "plain" else served_texts
+            per_text = per_text.reindex(units.to_numpy(), fill_value=0)
+            sums[measure] = (per_text["sum"].to_numpy(float), per_text["count"].to_numpy(float))
         m = {key.split("/", 1)[1]: value for key, value in metrics.items() if key.startswith(f"{name}/")}
         row = {"run": label, "slice": name, "n": len(group), "acc_ref": m.get("acc_ref"), "acc_quant": m.get("acc_quant"),
                "flips_r_w": m.get("flips_right_to_wrong"), "flips_w_r": m.get("flips_wrong_to_right"),
                "kl_served": m.get("kl_mean"), "kl_plain": m.get("kl_plain_mean"), "kl_prompt": m.get("kl_prompt_mean"),
                "top1_served": m.get("top1_agree"), "top1_plain": m.get("top1_agree_plain"),
-               "reply_tokens": m.get("n_tokens"), "dir": directory.name}
+               "ppl_ratio_served": m.get("ppl_ratio"), "reply_tokens": m.get("n_tokens"), "dir": directory.name}
         points.append(Point(label, name, group["correct_ref"].to_numpy(float), group["correct_quant"].to_numpy(float),
-                            served["sum"].to_numpy(float), served["count"].to_numpy(float),
-                            plain["sum"].to_numpy(float), plain["count"].to_numpy(float), row))
+                            sums, row))
     return points
 
 
@@ -110,32 +117,36 @@ def _spearman(x: list[float], y: list[float]) -> float:
 
 
 def rank_correlations(points: list[Point], n_resamples: int, seed: int) -> dict[str, dict[str, float]]:
-    """Spearman of served / plain KL with the accuracy drop across points, with bootstrap intervals."""
-    def measures(item_idx: dict[str, np.ndarray], text_idx: dict[str, np.ndarray]) -> tuple[list, list, list]:
-        drop, served, plain = [], [], []
+    """Spearman of each measure with the accuracy drop across points, with bootstrap intervals."""
+    def drop_and_measures(item_idx: dict[str, np.ndarray], text_idx: dict[str, np.ndarray]) -> tuple[list, dict]:
+        drop, values = [], {measure: [] for measure in MEASURES}
         for p in points:
-            i, t = item_idx[p.slice], text_idx[p.slice]
+            i = item_idx[p.slice]
             drop.append(p.correct_ref[i].mean() - p.correct_quant[i].mean())
-            served.append(p.served_sum[i].sum() / max(p.served_n[i].sum(), 1))
-            plain.append(p.plain_sum[t].sum() / max(p.plain_n[t].sum(), 1))
-        return drop, served, plain
+            for measure, (kind, _) in MEASURES.items():
+                index = text_idx[p.slice] if kind == "plain" else i
+                total, count = p.sums[measure]
+                values[measure].append(total[index].sum() / max(count[index].sum(), 1))
+        return drop, values
 
-    sizes = {p.slice: (len(p.correct_ref), len(p.plain_sum)) for p in points}
-    full = measures({s: np.arange(n) for s, (n, _) in sizes.items()}, {s: np.arange(k) for s, (_, k) in sizes.items()})
+    sizes = {p.slice: (len(p.correct_ref), len(p.sums["plain KL"][0])) for p in points}
+    drop, values = drop_and_measures({s: np.arange(n) for s, (n, _) in sizes.items()},
+                                     {s: np.arange(k) for s, (_, k) in sizes.items()})
     rng = np.random.default_rng(seed)
-    draws: dict[str, list[float]] = {"served": [], "plain": []}
+    draws: dict[str, list[float]] = {measure: [] for measure in MEASURES}
     for _ in range(n_resamples):
-        drop, served, plain = measures({s: rng.integers(0, n, n) for s, (n, _) in sizes.items()},
-                                       {s: rng.integers(0, k, k) for s, (_, k) in sizes.items()})
-        draws["served"].append(_spearman(served, drop))
-        draws["plain"].append(_spearman(plain, drop))
+        b_drop, b_values = drop_and_measures({s: rng.integers(0, n, n) for s, (n, _) in sizes.items()},
+                                             {s: rng.integers(0, k, k) for s, (_, k) in sizes.items()})
+        for measure in MEASURES:
+            draws[measure].append(_spearman(b_values[measure], b_drop))
     out = {}
-    for name, index in (("served", 1), ("plain", 2)):
-        values = np.asarray(draws[name])
-        values = values[np.isfinite(values)]
-        out[name] = {"spearman": _spearman(full[index], full[0]), "ci_low": float(np.percentile(values, 2.5)),
-                     "ci_high": float(np.percentile(values, 97.5)), "n_points": len(points),
-                     "share_positive": float(np.mean(values > 0))}
+    for measure in MEASURES:
+        sample = np.asarray(draws[measure])
+        sample = sample[np.isfinite(sample)]
+        out[measure] = {"spearman": _spearman(values[measure], drop), "ci_low": float(np.percentile(sample, 2.5)),
+                        "ci_high": float(np.percentile(sample, 97.5)), "n_points": len(points),
+                        "share_positive": float(np.mean(sample > 0)),
+                        "values": dict(zip((p.label for p in points), values[measure]))}
     return out
 
 
@@ -147,7 +158,7 @@ def _body(parsed: cli.Parsed[Options]) -> int:
         print(table.drop(columns="dir").to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     correlations = rank_correlations(points, options.n_resamples, options.seed)
     for name, c in correlations.items():
-        print(f"Spearman({name} KL, accuracy drop) over {c['n_points']} points: {c['spearman']:+.3f} "
+        print(f"Spearman({name}, accuracy drop) over {c['n_points']} points: {c['spearman']:+.3f} "
               f"[{c['ci_low']:+.3f}, {c['ci_high']:+.3f}] (share of resamples > 0: {c['share_positive']:.2f})")
     Path(options.out).parent.mkdir(parents=True, exist_ok=True)
     Path(options.out).write_text(json.dumps({"runs": table.to_dict("records"), "rank_correlation": correlations,

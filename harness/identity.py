@@ -121,7 +121,8 @@ def served_format(slice_: Slice, cfg: RunConfig) -> bool:
 
     For a model evaluated through its chat template (the format it serves), and for slices that
     set ``divergence_from_reference`` (long generation: error growth along the reference's reply).
-    Base models keep their plain gold texts. Registry slices have items only through lm-eval.
+    Base models keep their plain gold texts. Registry slices, which have no gold texts, get
+    served texts too (from lm-eval's records).
     """
     return bool(cfg.model.chat_template or slice_.config.divergence_from_reference)
 

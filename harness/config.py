@@ -140,6 +140,9 @@ class CalibrationConfig:
     num_samples: int = 128
     seq_len: int = 512
     seed: int = 0
+    # How each sample is laid out: chat (user turn + assistant reply in the model's chat template, the
+    # format it is evaluated and served in) | plain (raw text windows) | auto (chat when model.chat_template)
+    format: str = "auto"
 
 
 @dataclass
@@ -175,6 +178,9 @@ class SliceConfig:
     # Score KL / PPL along the reference's own replies (prompt + reference generation) instead of the
     # gold texts: the long-generation slice's view of error growing with length.
     divergence_from_reference: bool = False
+    # Items whose served text (prompt as evaluated + the reference's reply) is scored for KL when the model
+    # is evaluated through its chat template (harness.identity.served_texts); None: every item.
+    served_texts: Optional[int] = None
     metadata: dict[str, Any] = field(default_factory=dict)  # passed to the item generator
 
 

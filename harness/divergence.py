@@ -16,7 +16,13 @@ three forms (``store``):
 Both models' logits are computed the same way, chunk by chunk from hidden states, so a
 scheme that changes nothing gives bit-identical distributions (KL exactly 0).
 The quantized pass yields one row per token: NLL of both, KL in both directions, top-1 of
-both, probability of the actual token under both, and the token's position.
+both, probability of the actual token under both, the token's position and its ``kind``:
+
+- ``plain``: a token of a gold text (prompt + gold answer, no chat template);
+- ``prompt`` / ``reply``: a token of a *served* text (:class:`ServedText`): the prompt exactly as
+  the evaluation sent it (chat template, system prompt, instruction) followed by the reference
+  model's own greedy reply. The reply positions are what a deployment serves, so the run's
+  headline KL is measured on them (``harness.summary``); the prompt positions are reported apart.
 """
 from __future__ import annotations
 
@@ -31,7 +37,8 @@ from harness.devices import module_device
 from harness.placement import materialized_copy
 
 TOKEN_COLUMNS = ["slice", "text", "position", "nll_ref", "nll_quant", "kl", "kl_reverse",
-                 "top1_ref", "top1_quant", "p_ref", "p_quant"]
+                 "top1_ref", "top1_quant", "p_ref", "p_quant", "kind"]
+PLAIN, PROMPT, REPLY = "plain", "prompt", "reply"  # the token kinds (module docstring)
 Store = Literal["hidden", "logprobs", "topk"]
 CHUNK = 512  # tokens whose [chunk, vocab] logits are materialised at once
 
@@ -73,6 +80,14 @@ class ReferenceText:
     topk_logp: Tensor | None  # [T-1, k]
     hidden: Tensor | None = None  # [T-1, H] final hidden states (store=hidden)
     head: OutputHead | None = None  # the reference's frozen output head (store=hidden)
+    prompt_tokens: int | None = None  # served text: input_ids[:prompt_tokens] is the prompt; None: plain text
+
+    def kinds(self) -> list[str]:
+        """The kind of each scored position 1..T-1 (the token it predicts): plain, prompt or reply."""
+        n = len(self.input_ids) - 1
+        if self.prompt_tokens is None:
+            return [PLAIN] * n
+        return [REPLY if position >= self.prompt_tokens else PROMPT for position in range(1, n + 1)]
 
     def log_probs(self, start: int, stop: int, device: torch.device) -> Tensor:
         """Reference log-distribution for positions [start, stop) (exact stores only)."""
@@ -83,8 +98,50 @@ class ReferenceText:
         return self.logp[start:stop].to(device)
 
 
-def tokenize(tokenizer: Any, text: str, max_tokens: int) -> Tensor:
+@dataclass(frozen=True)
+class ServedText:
+    """A prompt as the evaluation sent it, followed by the reference model's own reply (token ids)."""
+
+    prompt_ids: tuple[int, ...]
+    reply_ids: tuple[int, ...]
+
+
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a prompt as lm-eval's HF backend encodes it for a causal model.
+
+    lm-eval adds no special tokens to a string that already starts with the BOS token (a chat
+    template writes its own) and leaves the tokenizer's default otherwise (``HFLM.tok_encode``
+    and ``tok_batch_encode`` with ``add_bos_token`` unset, as ``harness.evaluate`` builds it).
+    """
+    bos = getattr(tokenizer, "bos_token", None)
+    special = {"add_special_tokens": False} if bos and text.startswith(bos) else {}
+    return list(tokenizer(text, **special)["input_ids"])
+
+
+def served_text(tokenizer: Any, prompt: str, reply: str) -> ServedText:
+    """The served text of one item: its prompt encoded as lm-eval did, its reply as generated tokens
+    (the reply text re-encoded without special tokens, the way it followed the prompt)."""
+    return ServedText(tuple(encode_prompt(tokenizer, prompt)),
+                      tuple(tokenizer(reply, add_special_tokens=False)["input_ids"]))
+
+
+def tokenize(tokenizer: Any, text: str | ServedText, max_tokens: int) -> Tensor:
+    """Token ids of a plain text (cut to ``max_tokens``) or of a served text (prompt + reply).
+
+    A served text longer than ``max_tokens`` loses the start of its prompt, not its reply (lm-eval
+    also cuts over-long prompts from the left); :func:`prompt_length` says where its reply starts.
+    """
+    if isinstance(text, ServedText):
+        return torch.tensor([*text.prompt_ids, *text.reply_ids][-max_tokens:], dtype=torch.long)
     return tokenizer(text, return_tensors="pt", truncation=True, max_length=max_tokens)["input_ids"][0]
+
+
+def prompt_length(text: str | ServedText, max_tokens: int) -> int | None:
+    """How many of :func:`tokenize`'s ids are prompt (None for a plain text)."""
+    if not isinstance(text, ServedText):
+        return None
+    dropped = max(0, len(text.prompt_ids) + len(text.reply_ids) - max_tokens)
+    return max(0, len(text.prompt_ids) - dropped)
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -179,9 +236,9 @@ def _check_head(model: nn.Module, head: OutputHead, input_ids: Tensor) -> None:
 
 
 @torch.no_grad()
-def score_reference(model: nn.Module, tokenizer: Any, texts: list[str], *, max_tokens: int, topk: int = 0,
-                    store: Store | None = None) -> list[ReferenceText]:
-    """Run the reference model over ``texts`` and keep what divergence needs (on CPU).
+def score_reference(model: nn.Module, tokenizer: Any, texts: list[str | ServedText], *, max_tokens: int,
+                    topk: int = 0, store: Store | None = None) -> list[ReferenceText]:
+    """Run the reference model over ``texts`` (plain or served) and keep what divergence needs (on CPU).
 
     ``store`` defaults to ``topk`` when ``topk > 0`` and to ``logprobs`` otherwise, so the
     older keyword keeps its meaning; the pipeline passes ``store`` explicitly.
@@ -212,7 +269,7 @@ def score_reference(model: nn.Module, tokenizer: Any, texts: list[str], *, max_t
             ids, torch.cat(target_logp), torch.cat(top1),
             torch.cat(full) if full else None,
             torch.cat(top_ids) if top_ids else None, torch.cat(top_logp) if top_logp else None,
-            hidden.float().cpu() if store == "hidden" else None, head))
+            hidden.float().cpu() if store == "hidden" else None, head, prompt_length(text, max_tokens)))
     return out
 
 
@@ -266,5 +323,6 @@ def compare_to_reference(model: nn.Module, reference: list[ReferenceText], slice
             "top1_quant": torch.cat(parts["top1"]).numpy(),
             "p_ref": ref.target_logp.double().exp().numpy(),
             "p_quant": target_logq.exp().numpy(),
+            "kind": ref.kinds(),
         }))
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=TOKEN_COLUMNS)

@@ -23,7 +23,8 @@ from harness.slices import Slice
 
 log = logging.getLogger(__name__)
 
-RECORD_COLUMNS = ["item_id", "slice", "task", "sub_slice", "cluster", "output_type", "correct", "response", "target"]
+RECORD_COLUMNS = ["item_id", "slice", "task", "sub_slice", "cluster", "output_type", "correct", "response", "target",
+                  "prompt", "reply"]
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,28 @@ def _response(sample: dict, output_type: str) -> str:
     return str(resp)
 
 
+def _served(sample: dict, output_type: str) -> tuple[str, str]:
+    """The prompt exactly as lm-eval sent it (template, system prompt, instruction) and the model's own reply.
+
+    Generation: the raw reply before any answer-extracting filter. Multiple choice: the continuation
+    the model chose. The divergence stage scores a candidate on these (``harness.identity.served_texts``).
+    """
+    arguments = sample.get("arguments") or []
+    if not arguments or not isinstance(arguments[0], (list, tuple)):
+        return "", ""
+    if output_type == "generate_until":
+        reply = sample.get("resps") or [[""]]
+        while isinstance(reply, (list, tuple)):
+            reply = reply[0] if reply else ""
+        return str(arguments[0][0]), str(reply)
+    if output_type == "multiple_choice":
+        chosen = arguments[int(_response(sample, output_type))]
+        return str(chosen[0]), str(chosen[1])
+    if output_type == "loglikelihood" and len(arguments[0]) > 1:
+        return str(arguments[0][0]), str(arguments[0][1])
+    return "", ""  # loglikelihood_rolling: no prompt / reply split
+
+
 def _metric(sample: dict, metric_names: list[str]) -> float:
     for name in metric_names:
         if name in sample:
@@ -265,6 +288,7 @@ def records_from_results(results: dict, slice_: Slice) -> tuple[pd.DataFrame, di
                 "correct": _metric(sample, metric_names),
                 "response": _response(sample, output_type),
                 "target": str(sample.get("target", "")),
+                **dict(zip(("prompt", "reply"), _served(sample, output_type))),
             })
         frames.append(pd.DataFrame(rows, columns=RECORD_COLUMNS))
         task_results = results["results"][task]

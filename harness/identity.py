@@ -9,6 +9,7 @@ the sweep planner, the sensitivity tool and the benchmarks build them one way.
 from __future__ import annotations
 
 import dataclasses
+from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,8 @@ def reference_key(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig) -> 
                 "topk": cfg.eval.reference_topk, **({"backend": cfg.eval.backend} if cfg.eval.backend != "hf" else {}),
                 "generator": cfg.eval.generator,
                 "lm_eval": _version("lm_eval"), "transformers": _version("transformers"), "device": cfg.model.device}
+    if served_format(slice_, cfg):  # its divergence texts are its items' prompts + this reference's replies
+        settings["divergence"] = SERVED_FORMAT
     return stable_hash({"model": loaded.identity, "slice": slice_identity(slice_), "settings": settings}, 24)
 
 
@@ -113,23 +116,54 @@ def max_divergence_tokens(slice_: Slice, cfg: RunConfig) -> int:
     return min(int(limit), cfg.model.max_length)
 
 
-def continuation_texts(slice_: Slice, cfg: RunConfig, settings: evaluate.EvalSettings, records: Any,
-                       tokenizer: Any) -> list[str]:
-    """Prompts followed by the reference's own replies, as the model saw them (chat template applied).
+def served_format(slice_: Slice, cfg: RunConfig) -> bool:
+    """Whether a slice's divergence is scored on served texts (see :func:`served_texts`).
 
-    For slices with ``divergence_from_reference``: the candidate is then teacher-forced along the
-    reference's continuation, so KL by position shows whether its error grows with length.
+    For a model evaluated through its chat template (the format it serves), and for slices that
+    set ``divergence_from_reference`` (long generation: error growth along the reference's reply).
+    Base models keep their plain gold texts. Registry slices, which have no gold texts, get
+    served texts too (from lm-eval's records).
     """
-    items = {item["id"]: item for item in slice_.items(**slice_.metadata(cfg.eval.seed, settings.tokenizer_path,
-                                                                          settings.max_length))}
-    texts = []
-    for row in records.itertuples():
-        prompt = items[row.item_id]["prompt"]
-        if settings.chat_template and getattr(tokenizer, "chat_template", None):
-            prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                   add_generation_prompt=True)
-        texts.append(f"{prompt}{row.response}")
-    return texts[: slice_.config.divergence_texts]
+    return bool(cfg.model.chat_template or slice_.config.divergence_from_reference)
+
+
+SERVED_FORMAT = "served-v1"  # in the reference key of slices scored on served texts
+
+
+def served_texts(slice_: Slice, records: Any, tokenizer: Any) -> list[Any]:
+    """Each item's prompt exactly as the evaluation sent it, followed by the reference's own reply.
+
+    The prompt is the string lm-eval rendered (chat template, system prompt, instruction; the
+    records' ``prompt``), the reply the reference's greedy generation or chosen continuation
+    (``reply``). ``slice_.config.served_texts`` items at most (None: every item; a slice with
+    ``divergence_from_reference`` keeps its ``divergence_texts``), taken in turn from each
+    sub-slice and task so that every sub-slice is represented.
+    """
+    from harness.divergence import served_text
+
+    if records.empty or "prompt" not in records:
+        return []
+    rows = records[records["prompt"].astype(str) != ""]
+    limit = slice_.config.served_texts
+    if limit is None and slice_.config.divergence_from_reference:
+        limit = slice_.config.divergence_texts
+    chosen = spread_rows(rows, limit)
+    return [served_text(tokenizer, str(row.prompt), str(row.reply)) for row in chosen.itertuples()]
+
+
+def spread_rows(rows: Any, limit: int | None) -> Any:
+    """``limit`` rows taken round-robin over sub-slices (first-seen order), each sub-slice
+    alternating over its tasks, the first task rotating by sub-slice; all rows when ``limit`` is None."""
+    if limit is None or limit >= len(rows):
+        return rows
+    queues = []
+    for index, (_, group) in enumerate(rows.groupby("sub_slice", sort=False)):
+        by_task = [list(g.index) for _, g in group.groupby("task", sort=False)]
+        by_task = by_task[index % len(by_task):] + by_task[:index % len(by_task)]
+        queue = [i for batch in zip_longest(*by_task) for i in batch if i is not None]
+        queues.append(queue)
+    order = [i for batch in zip_longest(*queues) for i in batch if i is not None]
+    return rows.loc[order[:limit]]
 
 
 def divergence_texts(slice_: Slice, cfg: RunConfig, settings: evaluate.EvalSettings) -> list[str]:

@@ -29,8 +29,8 @@ from harness import divergence, evaluate, locks, models
 from harness.cache import Cache
 from harness.locks import LockTimeout
 from harness.config import RunConfig
-from harness.identity import (continuation_texts, divergence_texts, eval_settings, max_divergence_tokens,
-                              reference_key, tokenizer_dir)
+from harness.identity import (divergence_texts, eval_settings, max_divergence_tokens, reference_key, served_format,
+                              served_texts, tokenizer_dir)
 from harness.slices import Slice
 
 log = logging.getLogger("harness")
@@ -75,10 +75,9 @@ def _compute(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig, cache: C
     checkpoint = entry.with_name(f"{key}.checkpoint")  # per-request results of an interrupted attempt
     restored = evaluate.checkpoint_rows(checkpoint)
     records, aggregates = evaluate.evaluate_slice(lm, slice_, settings, checkpoint=checkpoint)
-    if slice_.config.divergence_from_reference:
-        texts = continuation_texts(slice_, cfg, settings, records, loaded.tokenizer)
-    else:
-        texts = divergence_texts(slice_, cfg, settings)
+    texts: list = [] if slice_.config.divergence_from_reference else divergence_texts(slice_, cfg, settings)
+    if served_format(slice_, cfg):  # the items as served: prompt as evaluated + this reference's reply
+        texts += served_texts(slice_, records, loaded.tokenizer)
     scored = divergence.score_reference(loaded.model, loaded.tokenizer, texts,
                                         max_tokens=max_divergence_tokens(slice_, cfg),
                                         topk=cfg.eval.reference_topk, store=cfg.eval.reference_store)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.formatting import count, delta_ci, flips, num, pm
+from harness.formatting import MISSING, count, delta_ci, flips, num, pm
 from harness.summary import Comparison
 
 
@@ -28,6 +28,8 @@ def side_by_side(comparison: Comparison) -> pd.DataFrame:
             "p (adj)": f"{num(row['delta_p'])} ({num(row['delta_p_adj'])})",
             "verdict": row.get("verdict", ""),
             "KL mean ± SE": pm(tok_row.get("kl_mean"), tok_row.get("kl_se")),
+            "KL on": tok_row["kl_on"] if isinstance(tok_row.get("kl_on"), str) else MISSING,
+            "KL plain text": num(tok_row.get("kl_plain_mean"), ".4f"),
             "top-1 agree": num(tok_row.get("top1_agree")),
             "PPL ref → quant": f"{num(tok_row.get('ppl_ref'), '.2f')} → {num(tok_row.get('ppl_quant'), '.2f')}",
         })

@@ -71,18 +71,20 @@ class Prepared:
 def prepare(cfg: RunConfig) -> Prepared:
     """Check the scheme, load the model and build its calibration context (no quantization yet)."""
     from harness.devices import calibration_device
-    from harness.quant.calibration import CalibrationContext
+    from harness.quant.calibration import CalibrationContext, check_format
     from harness.runtime import apply_threads
 
     apply_threads(cfg.runtime)
     scheme = quant.with_model_defaults(cfg.quant, cfg.model.ragged_groups)
     quant.validate_scheme(scheme)
+    check_format(scheme.calibration, cfg.model.chat_template, cfg.model.name)
     models.check_available(cfg.model)
     loaded = models.load(cfg.model, cfg.paths.cache_dir)
     quant.validate_for_model(loaded.model, scheme)
     context = CalibrationContext(model_key=loaded.key, tokenizer=loaded.tokenizer, config=scheme.calibration,
                                  device=calibration_device(loaded.model, cfg.model.device),
-                                 cache=Cache(cfg.paths.cache_dir), scheme=scheme)
+                                 cache=Cache(cfg.paths.cache_dir), scheme=scheme,
+                                 chat_template=cfg.model.chat_template)
     return Prepared(loaded, scheme, context)
 
 

@@ -30,6 +30,7 @@ from harness import (background_reference, candidate, cli, devices, divergence, 
 from harness.cache import Cache, atomic_write_json, atomic_write_text, check_cache_dir
 from harness.config import RunConfig
 from harness.identity import check_backend, config_dict, eval_settings, run_key, run_name, to_config, tokenizer_dir
+from harness.quant.calibration import check_format
 from harness.reference_stage import SliceReference, deferred_references, reference_unless_busy, share_heads
 from harness.runtime import apply_threads
 from harness.slices import Slice, check_hub_for_registry, resolve
@@ -186,6 +187,7 @@ def preflight(cfg: RunConfig) -> Preflight:
     slices = resolve(cfg.slices)
     check_hub_for_registry(slices)
     quant.validate_scheme(cfg.quant)
+    check_format(cfg.quant.calibration, cfg.model.chat_template, cfg.model.name)
     check_backend(cfg)
     models.check_available(cfg.model)
     uri = tracking.resolve_uri(cfg.tracking.uri)
@@ -271,7 +273,7 @@ def _quant_context(loaded: models.LoadedModel, cfg: RunConfig, cache: Cache) -> 
     from harness.quant.calibration import CalibrationContext
     return CalibrationContext(model_key=loaded.key, tokenizer=loaded.tokenizer, config=cfg.quant.calibration,
                               device=devices.calibration_device(loaded.model, cfg.model.device), cache=cache,
-                              scheme=cfg.quant)
+                              scheme=cfg.quant, chat_template=cfg.model.chat_template)
 
 
 def write_records(directory: Path, cfg: RunConfig, items: pd.DataFrame, tokens: pd.DataFrame,

@@ -104,14 +104,49 @@ def compare_items(items: pd.DataFrame, cfg: CompareConfig) -> pd.DataFrame:
     return table
 
 
+# Columns of the other token kinds beside a slice's headline (``kl_mean`` etc.), ``{kind}`` = plain / prompt.
+SIDE_COLUMNS = {"n_tokens": "n_tokens_{kind}", "kl_mean": "kl_{kind}_mean", "kl_se": "kl_{kind}_se",
+                "kl_p99": "kl_{kind}_p99", "top1_agree": "top1_agree_{kind}", "ln_ppl_ratio": "ln_ppl_ratio_{kind}",
+                "ppl_ratio": "ppl_ratio_{kind}"}
+
+
+def headline_tokens(tokens: pd.DataFrame) -> pd.DataFrame:
+    """The tokens a slice's headline divergence is measured on: its served replies where it has
+    them (a chat model: what it serves), else its plain gold texts (base models, older runs)."""
+    if "kind" not in tokens or tokens.empty:
+        return tokens
+    served = tokens.groupby("slice", sort=False)["kind"].transform(lambda kinds: (kinds == "reply").any())
+    return tokens[~served | (tokens["kind"] == "reply")]
+
+
 def summarize_tokens(tokens: pd.DataFrame, edges: list[int]) -> pd.DataFrame:
-    """Divergence per slice, overall and by token position bucket."""
+    """Divergence per slice, overall and by token position bucket, on each slice's headline tokens.
+
+    The slice and overall rows also carry the other kinds' KL, top-1 and PPL ratio under their own
+    names (``kl_plain_mean`` for the plain gold texts, ``kl_prompt_mean`` for the prompt positions of
+    the served texts: :data:`SIDE_COLUMNS`) and say what the headline is measured on (``kl_on``).
+    """
     if tokens.empty:
         return pd.DataFrame(columns=["slice", "bucket"])
-    tokens = tokens.assign(bucket=token_stats.position_buckets(tokens["position"].to_numpy(), edges))
-    everything = token_stats.summarize_by(tokens.assign(bucket="all"), ["slice", "bucket"])
-    overall = token_stats.summarize_by(tokens.assign(slice="overall", bucket="all"), ["slice", "bucket"])
-    by_position = token_stats.summarize_by(tokens, ["slice", "bucket"])
+    head = headline_tokens(tokens)
+    head = head.assign(bucket=token_stats.position_buckets(head["position"].to_numpy(), edges))
+    everything = token_stats.summarize_by(head.assign(bucket="all"), ["slice", "bucket"])
+    overall = token_stats.summarize_by(head.assign(slice="overall", bucket="all"), ["slice", "bucket"])
+    by_position = token_stats.summarize_by(head, ["slice", "bucket"])
+    if "kind" in tokens:
+        on = head.groupby("slice", sort=False)["kind"].agg(lambda kinds: "served reply" if (kinds == "reply").any()
+                                                           else "plain text")
+        everything["kl_on"] = everything["slice"].map(on)
+        overall["kl_on"] = " + ".join(sorted(set(on))) if len(on) else None
+        for kind in ("plain", "prompt"):
+            rows = tokens[tokens["kind"] == kind]
+            if rows.empty:
+                continue
+            names = {key: value.format(kind=kind) for key, value in SIDE_COLUMNS.items()}
+            per_slice = token_stats.summarize_by(rows, "slice")[["slice", *names]].rename(columns=names)
+            everything = everything.merge(per_slice, on="slice", how="left")
+            whole = token_stats.summarize_by(rows.assign(slice="overall"), "slice")[["slice", *names]]
+            overall = overall.merge(whole.rename(columns=names), on="slice", how="left")
     return pd.concat([overall, everything, by_position], ignore_index=True)
 
 

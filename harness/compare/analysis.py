@@ -101,7 +101,7 @@ def analyse(runs: Sequence[RunData], options: CompareOptions) -> ComparisonRepor
         if not run.tokens.empty:
             token_parts.append(summary.summarize_tokens(run.tokens, options.position_buckets).assign(**identity))
             columns = [c for c in ("slice", "position", "kl", "kl_reverse") if c in run.tokens]
-            kl_parts.append(run.tokens[columns].assign(label=run.label))
+            kl_parts.append(summary.headline_tokens(run.tokens)[columns].assign(label=run.label))
         if not run.generation.empty:
             gen_parts.append(run.generation.assign(**identity))
         if not run.survival.empty:

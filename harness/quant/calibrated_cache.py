@@ -47,11 +47,12 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def scheme_identity(scheme: QuantConfig) -> dict[str, Any]:
+def scheme_identity(scheme: QuantConfig, chat: bool = False) -> dict[str, Any]:
     """The parts of a scheme that determine the calibrated weights.
 
     A calibration source other than the default adds its name and text digest
-    (``calibration.source_identity``); the default adds nothing, so its keys are unchanged.
+    (``calibration.source_identity``), and so does the chat format (``chat``: the calibration
+    format in force); the default source in plain format adds nothing, so its keys are unchanged.
     """
     from harness.quant.calibration import source_identity
     spec = get_method(scheme.method)
@@ -69,14 +70,15 @@ def scheme_identity(scheme: QuantConfig) -> dict[str, Any]:
         "settings": settings,
         "version": ALGORITHM_VERSION,
     }
-    source = source_identity(scheme.calibration)
+    source = source_identity(scheme.calibration, chat)
     if source is not None:
         identity["calibration_source"] = source
     return identity
 
 
-def calibrated_key(model_key: str, scheme: QuantConfig, calibration_hash: str) -> str:
-    return stable_hash({"model": model_key, "scheme": scheme_identity(scheme), "calibration": calibration_hash}, 24)
+def calibrated_key(model_key: str, scheme: QuantConfig, calibration_hash: str, chat: bool = False) -> str:
+    return stable_hash({"model": model_key, "scheme": scheme_identity(scheme, chat), "calibration": calibration_hash},
+                       24)
 
 
 def run_cached(model: nn.Module, scheme: QuantConfig, context: Any, report: QuantReport,
@@ -91,7 +93,8 @@ def run_cached(model: nn.Module, scheme: QuantConfig, context: Any, report: Quan
     if cache is None:
         compute()
         return False
-    key = calibrated_key(context.model_key, scheme, context.calibration_hash)
+    chat = getattr(context, "format", None) == "chat"
+    key = calibrated_key(context.model_key, scheme, context.calibration_hash, chat)
     with cache.lock(NAMESPACE, key):
         if cache.usable(NAMESPACE, key):  # complete and intact (a damaged entry is moved aside and recomputed)
             _load(model, cache.entry(NAMESPACE, key), report)

@@ -7,6 +7,14 @@ dataset (name, config, split, text field) for cluster runs. Evaluation items are
 Seeded windows of ``seq_len`` tokens are drawn from the text; the token ids are hashed, and the
 hash is logged and is part of every calibrated cache key (with the source and a digest of its
 text for every source but the default: see :func:`source_identity`).
+
+``quant.calibration.format`` lays each window out as the model is prompted: ``chat`` (the
+default for a model evaluated through its chat template, ``auto``) renders consecutive stretches
+of the source as user turns and assistant replies through the tokenizer's chat template (system
+prompt included, as the evaluation renders it) and keeps the first ``seq_len`` tokens, so the
+Hessians and activation ranges a method fits include the template's tokens and the positions
+after them; ``plain`` keeps raw text windows (a base model's only format). The chat layout is
+part of the calibrated cache key (:func:`source_identity`) besides the token hash.
 """
 from __future__ import annotations
 
@@ -26,6 +34,10 @@ from harness.quant.tensor import SchemeError
 log = logging.getLogger(__name__)
 
 DATASET = "dataset"
+FORMATS = ("auto", "chat", "plain")
+# The chat layout: a user turn of USER_TOKENS source tokens, then a reply of REPLY_TOKENS, repeated until
+# the rendered conversation fills seq_len (at 512: about two exchanges after the system prompt).
+USER_TOKENS, REPLY_TOKENS = 64, 192
 
 
 def available_sources() -> list[str]:
@@ -49,23 +61,50 @@ def validate_calibration(config: CalibrationConfig) -> None:
     for name in ("num_samples", "seq_len"):
         if getattr(config, name) < 1:
             raise SchemeError(f"quant.calibration.{name}={getattr(config, name)} must be at least 1")
+    if config.format not in FORMATS:
+        raise SchemeError(f"quant.calibration.format={config.format!r} is unknown; use chat (user turn + assistant "
+                          "reply in the model's chat template), plain (raw text) or auto (chat when the model is "
+                          "evaluated with its chat template)")
 
 
-def source_identity(config: CalibrationConfig) -> dict[str, Any] | None:
-    """What the calibrated-weight cache key records about the source: None for the default.
+def check_format(config: CalibrationConfig, chat_template: bool, model_name: str) -> None:
+    """Config-time check: ``format=chat`` needs a model evaluated through its chat template."""
+    if config.format == "chat" and not chat_template:
+        raise SchemeError(f"quant.calibration.format=chat: model {model_name!r} is not evaluated with a chat "
+                          "template (model.chat_template=false), so its calibration has no chat format to follow; "
+                          "use quant.calibration.format=plain (or auto), or model.chat_template=true")
+
+
+def resolved_format(config: CalibrationConfig, chat_template: bool) -> str:
+    """``chat`` or ``plain``: ``auto`` follows whether the model is evaluated with its chat template."""
+    if config.format == "auto":
+        return "chat" if chat_template else "plain"
+    return config.format
+
+
+CHAT_LAYOUT = f"chat-v1/{USER_TOKENS}+{REPLY_TOKENS}"  # what the cache key records of the chat layout
+
+
+def source_identity(config: CalibrationConfig, chat: bool = False) -> dict[str, Any] | None:
+    """What the calibrated-weight cache key records about the source: None for the default in plain format.
 
     The default (``prose``/``offline``) adds nothing, so its keys are those from before sources
     existed; any other source adds its name and a digest of its text (an offline source) or the
     dataset's coordinates, so a code-calibrated and a prose-calibrated GPTQ never share an entry
-    even if their token hashes were equal.
+    even if their token hashes were equal. ``chat`` (the resolved format) adds the chat layout.
     """
     if config.source == DATASET:
-        return {"source": DATASET, "dataset": config.dataset, "dataset_config": config.dataset_config,
-                "split": config.split, "text_field": config.text_field}
-    if calibration_sources.is_default(config.source):
-        return None
-    name = calibration_sources.canonical(config.source)
-    return {"source": name, "digest": calibration_sources.source_digest(name)}
+        identity: dict[str, Any] | None = {"source": DATASET, "dataset": config.dataset,
+                                           "dataset_config": config.dataset_config, "split": config.split,
+                                           "text_field": config.text_field}
+    elif calibration_sources.is_default(config.source):
+        identity = None
+    else:
+        name = calibration_sources.canonical(config.source)
+        identity = {"source": name, "digest": calibration_sources.source_digest(name)}
+    if chat:
+        identity = {**(identity or {}), "format": CHAT_LAYOUT}
+    return identity
 
 
 def offline_corpus(source: str = calibration_sources.DEFAULT) -> str:
@@ -80,8 +119,8 @@ def dataset_corpus(config: CalibrationConfig) -> str:
     return "\n\n".join(t for t in data[config.text_field] if t and t.strip())
 
 
-def calibration_tokens(tokenizer: Any, config: CalibrationConfig) -> Tensor:
-    """[num_samples, seq_len] token windows sampled (seeded) from the corpus."""
+def calibration_tokens(tokenizer: Any, config: CalibrationConfig, chat: bool = False) -> Tensor:
+    """[num_samples, seq_len] token windows sampled (seeded) from the corpus; ``chat``: as conversations."""
     validate_calibration(config)
     text = dataset_corpus(config) if config.source == DATASET else offline_corpus(config.source)
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
@@ -91,7 +130,35 @@ def calibration_tokens(tokenizer: Any, config: CalibrationConfig) -> Tensor:
                           f"quant.calibration.seq_len={needed}; lower seq_len or use a larger source")
     rng = random.Random(f"calibration/{config.seed}")
     starts = [rng.randrange(0, len(ids) - needed) for _ in range(config.num_samples)]
+    if chat:
+        return torch.stack([chat_window(tokenizer, ids, start, needed) for start in starts])
     return torch.stack([ids[s:s + needed] for s in starts])
+
+
+def chat_window(tokenizer: Any, ids: Tensor, start: int, length: int) -> Tensor:
+    """``length`` tokens of a conversation rendered through the tokenizer's chat template.
+
+    From ``start`` on, the source is cut into alternating user turns (:data:`USER_TOKENS`) and
+    assistant replies (:data:`REPLY_TOKENS`), decoded, rendered as the evaluation renders a prompt
+    (the template's own system prompt and special tokens) and encoded as lm-eval encodes one
+    (``divergence.encode_prompt``); exchanges are added until the conversation reaches ``length``
+    tokens, then it is cut there. Windows running past the end of the source wrap to its start.
+    """
+    from harness.divergence import encode_prompt
+
+    if not getattr(tokenizer, "chat_template", None):
+        raise SchemeError("quant.calibration.format=chat: the model's tokenizer has no chat template; use "
+                          "quant.calibration.format=plain")
+    messages: list[dict[str, str]] = []
+    cursor = start
+    while True:
+        for role, size in (("user", USER_TOKENS), ("assistant", REPLY_TOKENS)):
+            piece = ids[torch.arange(cursor, cursor + size) % len(ids)]
+            messages.append({"role": role, "content": tokenizer.decode(piece).strip()})
+            cursor += size
+        encoded = encode_prompt(tokenizer, tokenizer.apply_chat_template(messages, tokenize=False))
+        if len(encoded) >= length:
+            return torch.tensor(encoded[:length], dtype=torch.long)
 
 
 @dataclass
@@ -105,13 +172,19 @@ class CalibrationContext:
     cache: Cache
     scheme: QuantConfig
     batch_size: int = 8
+    chat_template: bool = False  # the model is evaluated through its chat template (format=auto follows it)
     _tokens: Tensor | None = field(default=None, repr=False)
+
+    @property
+    def format(self) -> str:
+        """The calibration format in force: chat or plain."""
+        return resolved_format(self.config, self.chat_template)
 
     def tokens(self) -> Tensor:
         if self._tokens is None:
-            self._tokens = calibration_tokens(self.tokenizer, self.config)
-            log.info("calibration set (%s): %d x %d tokens, hash %s", self.config.source, *self._tokens.shape,
-                     self.calibration_hash)
+            self._tokens = calibration_tokens(self.tokenizer, self.config, chat=self.format == "chat")
+            log.info("calibration set (%s, %s): %d x %d tokens, hash %s", self.config.source, self.format,
+                     *self._tokens.shape, self.calibration_hash)
         return self._tokens
 
     @property

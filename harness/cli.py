@@ -202,11 +202,12 @@ def help_text(tool: Tool) -> str:
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exception types whose message already names the problem and its fix (no traceback needed)."""
     from harness.models import ModelLoadError
+    from harness.placement import PlacementError
     from harness.quant.tensor import SchemeError
     from harness.slices import SliceError
     from harness.tracking import TrackingError
 
-    return (UsageError, ModelLoadError, SchemeError, SliceError, TrackingError, FileNotFoundError)
+    return (UsageError, ModelLoadError, PlacementError, SchemeError, SliceError, TrackingError, FileNotFoundError)
 
 
 def fail(message: str) -> int:

@@ -4,6 +4,8 @@ Hydra composes and validates the config; errors a user can fix (an unknown confi
 a model that cannot be loaded, a scheme that cannot apply, an unusable slice or tracking store —
 :func:`harness.cli.user_errors`) print one ``error: ...`` line naming the fix and exit with
 status 2, without Hydra's "Error executing job" traceback. Real bugs keep their traceback.
+The console shows the job's progress and the harness's messages; libraries' messages go to
+``results/<run>/job.log`` (:func:`harness.joblog.job_console`; ``hydra.verbose=true`` shows them too).
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from harness import cli
+from harness import cli, joblog
 from harness.config import CONF_DIR, register_configs
 
 register_configs()
@@ -20,10 +22,13 @@ register_configs()
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
+    from hydra.core.hydra_config import HydraConfig
+
     from harness.run import run
 
     try:
-        result = run(cfg)
+        with joblog.job_console(verbose=bool(HydraConfig.get().verbose)):
+            result = run(cfg)
     except cli.user_errors() as exc:
         sys.exit(cli.fail(str(exc)))  # SystemExit passes Hydra's job wrapper: no traceback around it
     return result.get("metrics", {}).get("overall/kl_mean")

@@ -25,7 +25,7 @@ import queue as queue_module
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from harness import models, resources
+from harness import models, progress, resources
 from harness.cache import Cache
 from harness.config import RunConfig
 from harness.identity import reference_key
@@ -99,9 +99,12 @@ def start(cfg: RunConfig, loaded: models.LoadedModel, slices: list[Slice], cache
     child_threads = threads // 2
     context = mp.get_context("spawn")  # a fresh interpreter: no forked torch thread pools or locks
     ready, done = context.Queue(), context.Queue()
-    process = context.Process(target=_child, args=(cfg, missing, child_threads, ready, done), daemon=True,
+    events = context.Queue() if progress.current().active else None  # its progress and log, for the display
+    process = context.Process(target=_child, args=(cfg, missing, child_threads, ready, done, events), daemon=True,
                               name="harness-reference")
     process.start()
+    if events is not None:
+        progress.current().follow(events)
     try:
         held = ready.get(timeout=READY_TIMEOUT_S)
     except queue_module.Empty:
@@ -125,6 +128,7 @@ def collect(background: Background | None, meter: resources.StageMeter) -> dict[
     if background is None:
         return {"reference_process": []}
     report = background.join() or {}
+    progress.current().drain()  # its last counts and log lines, before the job goes on
     if report.get("stage"):
         use = meter.stages.setdefault("reference", resources.StageUse())
         child = resources.StageUse(**report["stage"])
@@ -153,8 +157,11 @@ def scoring_threads(background: Background | None, threads: int) -> Iterator[Non
         torch.set_num_threads(threads)
 
 
-def _child(cfg: RunConfig, slice_names: list[str], threads: int, ready: Any, done: Any) -> None:
-    """The second process: take the references' locks, say which, compute them, report the cost."""
+def _child(cfg: RunConfig, slice_names: list[str], threads: int, ready: Any, done: Any, events: Any = None) -> None:
+    """The second process: take the references' locks, say which, compute them, report the cost.
+
+    With ``events`` (the parent shows a progress display) its item counts and log records go there.
+    """
     import time
 
     import torch
@@ -162,7 +169,11 @@ def _child(cfg: RunConfig, slice_names: list[str], threads: int, ready: Any, don
     from harness.reference_stage import compute_reference
 
     torch.set_num_threads(threads)
-    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][reference process][%(levelname)s] - %(message)s")
+    if events is None:
+        logging.basicConfig(level=logging.INFO, format="[%(asctime)s][reference process][%(levelname)s] - %(message)s")
+    else:
+        from harness.joblog import child_logging
+        child_logging(events, "reference process")
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     locks = []
     try:
@@ -186,6 +197,9 @@ def _child(cfg: RunConfig, slice_names: list[str], threads: int, ready: Any, don
     ready.put([s.name for s in mine])
     meter = resources.StageMeter()
     meter.watch(loaded.model)
+    if events is not None:  # this process's item counts and tokens, for the parent's display
+        progress.install(progress.QueueReporter(events), "reference",
+                         lambda: sum(u.prefill_tokens + u.generated_tokens for u in meter.stages.values()))
     meter.begin("reference")
     start = time.perf_counter()
     for slice_, lock in zip(mine, locks):
@@ -197,3 +211,5 @@ def _child(cfg: RunConfig, slice_names: list[str], threads: int, ready: Any, don
             lock.release()
     meter.end("reference", time.perf_counter() - start)
     done.put({"stage": dataclasses.asdict(meter.stages["reference"]), "rss_peak_gb": resources.host_rss_peak_gb()})
+    if events is not None:
+        progress.end_of_events(events)

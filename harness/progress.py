@@ -354,6 +354,7 @@ class Display(Reporter):
             self.terminal = bool(getattr(self.stream, "isatty", lambda: False)())
         self._lock = threading.RLock()
         self._live: Any = None
+        self._console: Any = None  # set on entering (a terminal): the live block draws only inside ``with``
         self._closed = False
         self._readers: list[threading.Thread] = []
 
@@ -493,7 +494,7 @@ class Display(Reporter):
 
     def _start_live(self) -> None:
         """The live block appears with the first event (a tool that reports none draws nothing)."""
-        if not self.terminal or self._live is not None or self._closed:
+        if self._console is None or self._live is not None or self._closed:
             return
         from rich.live import Live
 

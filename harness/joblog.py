@@ -51,7 +51,9 @@ class _ConsoleFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if harness_record(record) or record.levelno >= logging.ERROR:
             return True
-        self.left += record.levelno >= logging.WARNING
+        if record.levelno >= logging.WARNING and not getattr(record, "_harness_left", False):
+            record._harness_left = True  # counted once, however many console handlers see it
+            self.left += 1
         return False
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import io
 import logging
 import logging.handlers
 import os
@@ -225,3 +226,24 @@ def child_logging(events: Any, label: str) -> None:
         library.handlers = [h for h in library.handlers if not isinstance(h, logging.StreamHandler)]
         library.propagate = True
     logging.captureWarnings(True)
+    # Whatever writes to this process's stdout/stderr (a library's handler set up later, a print, a bar)
+    # reaches the parent's log as records, not its terminal, where it would tear the progress block.
+    sys.stdout = sys.stderr = _LinesToLog(logging.getLogger(f"{label.replace(' ', '_')}.output"))
+
+
+class _LinesToLog(io.TextIOBase):
+    """A text stream whose lines become INFO records of ``logger``."""
+
+    def __init__(self, logger: logging.Logger):
+        self.logger, self.buffer_text = logger, ""
+
+    def write(self, text: str) -> int:
+        self.buffer_text += text.replace("\r", "\n")
+        *lines, self.buffer_text = self.buffer_text.split("\n")
+        for line in lines:
+            if line.strip():
+                self.logger.info("%s", line.rstrip())
+        return len(text)
+
+    def isatty(self) -> bool:
+        return False

@@ -124,3 +124,19 @@ def test_a_resumed_job_appends_to_its_earlier_log(console, tmp_path):
         joblog.attach(tmp_path)
     text = (tmp_path / "job.log").read_text()
     assert text.startswith("first attempt\n") and "before the results dir" in text
+
+
+@pytest.mark.parametrize("argv, shown", [([], False), (["-v"], True), (["--verbose"], True)])
+def test_the_tools_keep_library_messages_off_the_console_unless_verbose(console, argv, shown):
+    from harness import cli
+
+    tool = cli.Tool(prog="python -m harness.example", summary="an example tool")
+
+    def body(parsed: cli.Parsed) -> int:
+        logging.getLogger("huggingface_hub").warning("unauthenticated requests to the hub")
+        logging.getLogger("harness").info("the tool's own result")
+        return 0
+
+    assert cli.main(tool, body, argv) == 0
+    assert "the tool's own result" in console.getvalue()
+    assert ("unauthenticated requests to the hub" in console.getvalue()) is shown

@@ -8,6 +8,8 @@ headline columns chosen (scheme, model, slices, overall Δacc, flips, KL: saved 
 own settings, as the Columns menu would), the cells must hold the logged values; one
 *Group by* -> ``harness.sweep_id`` must show the two sweeps as groups. The screenshot goes to
 the test's tmp dir, the test artifacts dir and ``benchmarks/results/mlflow_runs.png``.
+A second test opens a run's own page: its description must render the terminal table and
+the gate's outcome, and the experiment page its one-paragraph description.
 
 Without Chromium the test skips, unless HARNESS_REQUIRE_SYSTEM_TESTS=1 (then it fails).
 """

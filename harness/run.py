@@ -123,7 +123,8 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     if cfg.force:
         shutil.rmtree(checkpoint, ignore_errors=True)
 
-    with timings.stage("reference"), progress.side("reference"):  # a reference another job is computing is read after evaluating
+    # a reference another job is computing is read after evaluating
+    with timings.stage("reference"), progress.side("reference"):
         background = background_reference.start(cfg, loaded, checked.slices, cache, runtime["threads"])
         references = {s.name: r for s in checked.slices
                       if (r := reference_unless_busy(loaded, s, cfg, cache)) is not None}

@@ -84,7 +84,8 @@ def test_an_item_is_done_once_every_one_of_its_requests_is_answered():
     # independently: after each answer, item 0 is done once its 4 choices are answered, items 1 and 2
     # (identical requests) once every choice is answered once, and twice
     for (_, _, done, _), answered in zip(recorder.events[after_generation:], recorder.answered[after_generation:]):
-        seen = collections.Counter(req for attr, req, _ in lm.cache_hook.stored[:answered + 1] if attr == "loglikelihood")
+        stored = lm.cache_hook.stored[:answered + 1]
+        seen = collections.Counter(req for attr, req, _ in stored if attr == "loglikelihood")
         expected = (all(seen[("context 0", f" choice {c}")] >= 1 for c in range(4))
                     + all(seen[("context 1", f" choice {c}")] >= 1 for c in range(4))
                     + all(seen[("context 1", f" choice {c}")] >= 2 for c in range(4)))

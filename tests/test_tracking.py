@@ -227,8 +227,8 @@ GATE = {"outcome": "fail", "exit_code": 1, "runs": [{"run_name": "tiny/int4_g128
 def write_report(directory: Path, gate: dict | None = None) -> None:
     """report.md as report.markdown lays it out (title, a line, the terminal table, more sections)."""
     table = HEADLINE.to_markdown(index=False)
-    (directory / "report.md").write_text(f"# tiny/int4_g128\n\nScheme `int4_g128` (rtn) on `tiny_random`.\n\n{table}\n\n"
-                                         "## Sub-slices\n\n| slice | sub_slice |\n|:--|:--|\n| math | level=0 |\n")
+    (directory / "report.md").write_text(f"# tiny/int4_g128\n\nScheme `int4_g128` (rtn) on `tiny_random`.\n\n"
+                                         f"{table}\n\n## Sub-slices\n\n| slice | sub_slice |\n|:--|:--|\n| math | level=0 |\n")
     if gate is not None:
         (directory / "gate.json").write_text(json.dumps(gate))
 

@@ -399,7 +399,7 @@ class Display(Reporter):
             if done >= total > 0 and row.ended is None:
                 row.ended = now
                 self._line(f"{side} · {slice_name}: {self._count(row, now)}")
-            elif not self.terminal and now - (row.last_line or row.started) >= LINE_INTERVAL_S:
+            elif row.ended is None and not self.terminal and now - (row.last_line or row.started) >= LINE_INTERVAL_S:
                 row.last_line = now
                 self._line(f"{side} · {slice_name}: {self._count(row, now)}")
 

@@ -50,6 +50,9 @@ def test_the_default_job_in_a_terminal_redraws_its_progress_in_place(tmp_path):
     capture = run_in_terminal(" ".join(job_command(tmp_path)), tmp_path / "terminal",
                               env={"PYTHONPATH": str(REPO_DIR)}, width=140, height=45)
     screen = capture.screen
+    from tests.test_html_report import artifact_dir  # kept for a look when an assertion fails
+    (artifact_dir() / "console_terminal.txt").write_text(screen)
+    (artifact_dir() / "console_terminal.raw").write_bytes(capture.raw)
     assert capture.status == 0, screen[-3000:]
     assert not [line for line in screen.splitlines() if NOISE.search(line)], screen
     assert_final_table(screen)

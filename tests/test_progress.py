@@ -163,9 +163,13 @@ def test_without_a_terminal_a_long_slice_reports_its_count_now_and_then(monkeypa
         for done in range(10):
             display.items("reference", "math", done, 100)
             clock[0] += progress.LINE_INTERVAL_S / 4
+        display.items("reference", "math", 100, 100)  # all answered; lm-eval still scoring
+        clock[0] += 2 * progress.LINE_INTERVAL_S
+        display.items("reference", "math", 100, 100)  # the slice's end, long after: no second line
     lines = [line.split("] ", 1)[1] for line in out.getvalue().splitlines()]
-    assert len(lines) == 2  # 10 updates over 2.25 intervals: one line per interval
+    assert len(lines) == 3  # 10 updates over 2.25 intervals: one line per interval, then the finished one
     assert lines[0].startswith("reference · math: 4/100 items") and "ETA" in lines[0]
+    assert lines[2].startswith("reference · math: 100/100 items")
 
 
 def test_the_live_block_shows_each_side_with_items_speed_and_eta(monkeypatch):

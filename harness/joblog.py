@@ -24,6 +24,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 from typing import Any, Iterator
@@ -121,6 +122,46 @@ def attach(directory: Path) -> Path | None:
     return None if job_log is None else job_log.attach(Path(directory))
 
 
+@contextlib.contextmanager
+def _stderr_descriptor_to_log() -> Iterator[Any]:
+    """What is written to file descriptor 2 without Python (a subprocess: lm-eval runs ``git`` for its
+    commit hash, which says "fatal: not a git repository" outside one; C libraries; the reference process
+    before its logging is set up) becomes records of the ``stderr`` logger, for the job's log: on a
+    terminal such bytes land under the progress block and tear it. Python's ``sys.stderr`` keeps the
+    terminal (yielded: a stream on the original descriptor)."""
+    try:
+        original = os.dup(2)
+    except OSError:
+        yield sys.stderr
+        return
+    read_end, write_end = os.pipe()
+    terminal = os.fdopen(os.dup(original), "w", buffering=1, encoding="utf-8", errors="replace")
+    saved = sys.stderr
+    sys.stderr.flush()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    sys.stderr = terminal
+    logger = logging.getLogger("stderr")
+
+    def pump() -> None:
+        with os.fdopen(read_end, "rb") as pipe:
+            for line in pipe:
+                text = line.decode("utf-8", errors="replace").rstrip()
+                if text:
+                    logger.info("%s", text)
+
+    reader = threading.Thread(target=pump, daemon=True, name="harness-stderr-to-log")
+    reader.start()
+    try:
+        yield terminal
+    finally:
+        sys.stderr = saved
+        os.dup2(original, 2)  # the pipe's last writer in this process is gone: the reader ends
+        os.close(original)
+        reader.join(timeout=2.0)  # a child still holding the pipe keeps it open: not waited for
+        terminal.flush()
+
+
 def _console_handlers() -> list[logging.StreamHandler]:
     return [h for h in logging.getLogger().handlers
             if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)]
@@ -135,6 +176,7 @@ def job_console(verbose: bool = False, stream: Any = None) -> Iterator[progress.
     saved_level = root.level
     console = _console_handlers()
     saved_console = [(h, h.stream, h.formatter) for h in console]
+    saved_stderr = sys.stderr
     console_filter = _ConsoleFilter()
     display = progress.Display(stream=stream or sys.stdout)
     token = _active.set(job_log)
@@ -170,12 +212,13 @@ def job_console(verbose: bool = False, stream: Any = None) -> Iterator[progress.
     if quiet_mlflow:  # MLflow, imported later, then leaves its records to the root's handlers
         os.environ["MLFLOW_CONFIGURE_LOGGING"] = "false"
     capturing = logging._warnings_showwarning is not None  # someone captures warnings already: leave it on
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _stderr_descriptor_to_log() as terminal_stderr:
         logging.captureWarnings(True)  # py.warnings: to the log (and, verbose, the console)
         try:
             with display, progress.reporting(display):
-                for handler in console:  # log lines print above the live block
-                    handler.setStream(display.write_stream(handler.stream))
+                for handler, handler_stream, _ in saved_console:  # log lines print above the live block
+                    stream_now = terminal_stderr if handler_stream is saved_stderr else handler_stream
+                    handler.setStream(display.write_stream(stream_now))
                 yield display
         finally:
             logging.captureWarnings(capturing)

@@ -140,3 +140,16 @@ def test_the_tools_keep_library_messages_off_the_console_unless_verbose(console,
     assert cli.main(tool, body, argv) == 0
     assert "the tool's own result" in console.getvalue()
     assert ("unauthenticated requests to the hub" in console.getvalue()) is shown
+
+
+def test_a_subprocess_writing_to_stderr_goes_to_the_job_log(console, tmp_path, capfd):
+    import subprocess
+    import sys
+
+    with joblog.job_console(stream=io.StringIO()):
+        joblog.attach(tmp_path)
+        subprocess.run(["sh", "-c", "echo 'fatal: not a git repository' >&2"], check=True)  # as lm-eval's git call
+        print("python's own stderr", file=sys.stderr)
+    err = capfd.readouterr().err
+    assert "fatal: not a git repository" not in err and "python's own stderr" in err
+    assert "[stderr][INFO] - fatal: not a git repository" in (tmp_path / "job.log").read_text()

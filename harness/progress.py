@@ -327,6 +327,25 @@ class _Row:
         return None if rate is None or self.ended is not None else (self.total - self.done) / rate
 
 
+class _Header:
+    """The block's first line(s): the job's time and its stages, a stage never split across lines."""
+
+    def __init__(self, lead: str, parts: list[str]):
+        self.lead, self.parts = lead, parts
+
+    def __rich_console__(self, console: Any, options: Any) -> Iterator[Any]:
+        from rich.text import Text
+
+        lines = [self.lead]
+        for part in self.parts:
+            if len(lines[-1]) + 2 + len(part) > options.max_width:
+                lines.append(part)
+            else:
+                lines[-1] += ("  " if lines[-1] != self.lead else " ") + part
+        for line in lines:
+            yield Text(line, no_wrap=True, overflow="crop")
+
+
 def _clock(seconds: float | None) -> str:
     if seconds is None:
         return "–"
@@ -481,8 +500,7 @@ class Display(Reporter):
                 table.add_row(slice_name, *cells)
             from rich.console import Group
 
-            header = Text(f"job {_clock(now - self.started)} · " + "  ".join(parts), no_wrap=False)
-            return Group(header, table)
+            return Group(_Header(f"job {_clock(now - self.started)} ·", parts), table)
 
     # -- lifetime
     def __enter__(self) -> "Display":

@@ -226,3 +226,17 @@ def test_a_second_process_reports_through_a_queue():
 @pytest.mark.parametrize("seconds, shown", [(None, "–"), (5, "0:05"), (75, "1:15"), (3725, "1:02:05")])
 def test_clock(seconds, shown):
     assert progress._clock(seconds) == shown
+
+
+def test_a_stage_never_breaks_across_lines_of_the_block():
+    display = progress.Display(stream=io.StringIO(), terminal=True)
+    for name in ("load", "reference", "quantize", "evaluate", "reference_wait", "divergence", "write", "logging"):
+        display.stage(name)
+        display.stage(name, 12.5)
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=60, force_terminal=False)
+    console.print(display.render())
+    header = console.file.getvalue().split("  slice")[0]
+    assert all(f"✓ {name} 12.5s" in header.replace("\n", "|") for name in ("load", "reference_wait", "logging"))
+    assert all(len(line) <= 60 for line in header.splitlines())

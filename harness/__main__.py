@@ -5,6 +5,8 @@ a model that cannot be loaded, a scheme that cannot apply, an unusable slice or 
 :func:`harness.cli.user_errors`) print one ``error: ...`` line naming the fix and exit with
 status 2, without Hydra's "Error executing job" traceback. A disk that fills up during the job
 prints one line too (where, how much, how to resume) and exits with 75. Real bugs keep their traceback.
+The console shows the job's progress and the harness's messages; libraries' messages go to
+``results/<run>/job.log`` (:func:`harness.joblog.job_console`; ``hydra.verbose=true`` shows them too).
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from harness import cli
+from harness import cli, joblog
 from harness.config import CONF_DIR, register_configs
 
 register_configs()
@@ -21,11 +23,14 @@ register_configs()
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
+    from hydra.core.hydra_config import HydraConfig
+
     from harness import resources
     from harness.run import run
 
     try:
-        result = run(cfg)
+        with joblog.job_console(verbose=bool(HydraConfig.get().verbose)):
+            result = run(cfg)
     except cli.user_errors() as exc:
         sys.exit(cli.fail(str(exc)))  # SystemExit passes Hydra's job wrapper: no traceback around it
     except Exception as exc:  # a full disk mid-job: one line, a status of its own, a rerun resumes

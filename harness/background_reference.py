@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from harness import models, resources
+from harness import models, progress, resources
 from harness.cache import Cache
 from harness.config import RunConfig
 from harness.identity import reference_key
@@ -184,12 +184,15 @@ def start(cfg: RunConfig, loaded: models.LoadedModel, slices: list[Slice], cache
     child_threads = threads // 2
     context = mp.get_context("spawn")  # a fresh interpreter: no forked torch thread pools or locks
     ready, done = context.Queue(), context.Queue()
-    handle, progress = tempfile.mkstemp(prefix="harness-reference-", suffix=".progress")
+    handle, heartbeat = tempfile.mkstemp(prefix="harness-reference-", suffix=".progress")
     os.close(handle)
     kills_before = oom_kills()
-    process = context.Process(target=_child, args=(cfg, missing, child_threads, ready, done, progress),
+    events = context.Queue() if progress.current().active else None  # its progress and log, for the display
+    process = context.Process(target=_child, args=(cfg, missing, child_threads, ready, done, heartbeat, events),
                               daemon=True, name="harness-reference")
     process.start()
+    if events is not None:
+        progress.current().follow(events)
     try:
         held = ready.get(timeout=READY_TIMEOUT_S)
     except queue_module.Empty:
@@ -199,12 +202,12 @@ def start(cfg: RunConfig, loaded: models.LoadedModel, slices: list[Slice], cache
     if isinstance(held, BaseException) or not held:
         log.warning("reference process could not start (%s); computing the references here", held)
         process.join()
-        os.unlink(progress)
+        os.unlink(heartbeat)
         return None
     torch.set_num_threads(threads - child_threads)
     log.info("reference of %s in a second process (pid %d, %d thread(s)); this one evaluates with %d (%s)",
              ", ".join(held), process.pid, child_threads, threads - child_threads, why)
-    background = Background(process, held, (threads - child_threads, child_threads), done, Path(progress))
+    background = Background(process, held, (threads - child_threads, child_threads), done, Path(heartbeat))
     background.watchdog = threading.Thread(target=_watch, args=(background, cfg.runtime.reference_stall_s,
                                                                  kills_before), name="reference-watchdog", daemon=True)
     background.watchdog.start()
@@ -218,6 +221,7 @@ def collect(background: Background | None, meter: resources.StageMeter) -> dict[
     if background is None:
         return {"reference_process": []}
     report = background.join() or {}
+    progress.current().drain()  # its last counts and log lines, before the job goes on
     if report.get("stage"):
         use = meter.stages.setdefault("reference", resources.StageUse())
         child = resources.StageUse(**report["stage"])
@@ -261,14 +265,22 @@ def _touching(path: str, every_s: float = 1.0) -> Any:
 
 
 def _child(cfg: RunConfig, slice_names: list[str], threads: int, ready: Any, done: Any,
-           progress: str | None = None) -> None:
-    """The second process: take the references' locks, say which, compute them, report the cost."""
+           heartbeat: str | None = None, events: Any = None) -> None:
+    """The second process: take the references' locks, say which, compute them, report the cost.
+
+    ``heartbeat``: a file it touches while it makes progress (the parent's watchdog reads it).
+    With ``events`` (the parent shows a progress display) its item counts and log records go there.
+    """
     import torch
 
     from harness.reference_stage import compute_reference, reference_lock
 
     torch.set_num_threads(threads)
-    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][reference process][%(levelname)s] - %(message)s")
+    if events is None:
+        logging.basicConfig(level=logging.INFO, format="[%(asctime)s][reference process][%(levelname)s] - %(message)s")
+    else:
+        from harness.joblog import child_logging
+        child_logging(events, "reference process")
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     locks = []
     try:
@@ -290,16 +302,19 @@ def _child(cfg: RunConfig, slice_names: list[str], threads: int, ready: Any, don
         ready.put(RuntimeError(f"{type(exc).__name__}: {exc}"))
         return
     ready.put([s.name for s in mine])
-    if progress is not None:
-        loaded.model.get_input_embeddings().register_forward_pre_hook(_touching(progress))  # inner calls too
+    if heartbeat is not None:
+        loaded.model.get_input_embeddings().register_forward_pre_hook(_touching(heartbeat))  # inner calls too
     meter = resources.StageMeter()
     meter.watch(loaded.model)
+    if events is not None:  # this process's item counts and tokens, for the parent's display
+        progress.install(progress.QueueReporter(events), "reference",
+                         lambda: sum(u.prefill_tokens + u.generated_tokens for u in meter.stages.values()))
     meter.begin("reference")
     start = time.perf_counter()
     for slice_, lock in zip(mine, locks):
-        if progress is not None:  # a slice starting is progress too (lm-eval builds its requests first)
+        if heartbeat is not None:  # a slice starting is progress too (lm-eval builds its requests first)
             with contextlib.suppress(OSError):
-                os.utime(progress)
+                os.utime(heartbeat)
         try:
             compute_reference(loaded, slice_, cfg, cache)
         except BaseException:  # noqa: BLE001 - the parent finds the entry missing and computes it
@@ -308,3 +323,5 @@ def _child(cfg: RunConfig, slice_names: list[str], threads: int, ready: Any, don
             lock.release()
     meter.end("reference", time.perf_counter() - start)
     done.put({"stage": dataclasses.asdict(meter.stages["reference"]), "rss_peak_gb": resources.host_rss_peak_gb()})
+    if events is not None:
+        progress.end_of_events(events)

@@ -8,7 +8,9 @@ Every ``python -m harness.<tool>`` takes the same kinds of argument:
   ``key=value`` is a Hydra override of the run config, composed exactly as
   ``python -m harness`` composes it (``model=... quant=... slices=... eval.batch_size=8``);
 * bare words (paths) collected into the field named by :attr:`Tool.positional`;
-* ``-h`` / ``--help`` prints the options with their defaults and exits 0.
+* ``-h`` / ``--help`` prints the options with their defaults and exits 0;
+* ``-v`` / ``--verbose`` shows libraries' log messages on the console too (otherwise they go
+  to the job's log, :func:`harness.joblog.job_console`).
 
 A typo (an unknown key, a wrong type, an unknown config-group option) fails before any work,
 with a message in one style: ``error: <what is wrong>; <what is valid>``, exit status 2.
@@ -30,6 +32,7 @@ from omegaconf.errors import OmegaConfBaseException
 T = TypeVar("T")
 EXIT_USAGE = 2
 _HELP = ("-h", "--help", "help")
+_VERBOSE = ("-v", "--verbose")
 _GROUPS = ("model", "quant", "slices")
 
 
@@ -188,8 +191,7 @@ def help_text(tool: Tool) -> str:
             shown = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
             note = f.metadata.get("help", "")
             lines.append(f"  {f.name}={shown!s}  ({_describe_type(f.type)}){'  ' + note if note else ''}")
-    if tool.flags:
-        lines.append("flags: " + " ".join(tool.flags))
+    lines.append("flags: " + " ".join([*tool.flags, "-v (libraries' messages on the console too)"]))
     if tool.run_config:
         lines.append("")
         lines.append("run config (as `python -m harness`; `python -m harness --cfg job` prints every key):")
@@ -202,11 +204,12 @@ def help_text(tool: Tool) -> str:
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exception types whose message already names the problem and its fix (no traceback needed)."""
     from harness.models import ModelLoadError
+    from harness.placement import PlacementError
     from harness.quant.tensor import SchemeError
     from harness.slices import SliceError
     from harness.tracking import TrackingError
 
-    return (UsageError, ModelLoadError, SchemeError, SliceError, TrackingError, FileNotFoundError)
+    return (UsageError, ModelLoadError, PlacementError, SchemeError, SliceError, TrackingError, FileNotFoundError)
 
 
 def fail(message: str) -> int:
@@ -221,6 +224,8 @@ def main(tool: Tool[T], body: Callable[[Parsed[T]], int | None], argv: Sequence[
     ``body`` returns the exit status (``None`` means 0). Logging is set up once here.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    verbose = any(a in _VERBOSE for a in argv)
+    argv = [a for a in argv if a not in _VERBOSE]
     if any(a in _HELP for a in argv):
         print(help_text(tool))
         return 0
@@ -231,8 +236,11 @@ def main(tool: Tool[T], body: Callable[[Parsed[T]], int | None], argv: Sequence[
         return tool.bad_input_status
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
+    from harness.joblog import job_console
+
     try:
-        status = body(parsed)
+        with job_console(verbose=verbose):
+            status = body(parsed)
     except user_errors() as exc:
         fail(str(exc))
         return tool.bad_input_status

@@ -19,6 +19,7 @@ from typing import Any
 
 import pandas as pd
 
+from harness import progress
 from harness.slices import Slice
 
 log = logging.getLogger(__name__)
@@ -240,12 +241,13 @@ def run_lm_eval(lm: Any, slice_: Slice, settings: EvalSettings, checkpoint: str 
     metadata = slice_.metadata(settings.seed, settings.tokenizer_path, settings.max_length)
     manager = TaskManager(include_path=None if registry else str(slice_.directory),
                           include_defaults=registry, metadata=metadata)
-    results = simple_evaluate(
-        model=lm, tasks=list(slice_.config.tasks), task_manager=manager,
-        num_fewshot=slice_.config.num_fewshot, limit=slice_.config.limit,
-        apply_chat_template=settings.chat_template, log_samples=True, bootstrap_iters=0,
-        random_seed=settings.seed, numpy_random_seed=settings.seed, torch_random_seed=settings.seed,
-        fewshot_random_seed=settings.seed, use_cache=None if checkpoint is None else str(checkpoint))
+    with progress.lm_eval_requests(lm, slice_.name):  # items done for the job's display (its bars quiet)
+        results = simple_evaluate(
+            model=lm, tasks=list(slice_.config.tasks), task_manager=manager,
+            num_fewshot=slice_.config.num_fewshot, limit=slice_.config.limit,
+            apply_chat_template=settings.chat_template, log_samples=True, bootstrap_iters=0,
+            random_seed=settings.seed, numpy_random_seed=settings.seed, torch_random_seed=settings.seed,
+            fewshot_random_seed=settings.seed, use_cache=None if checkpoint is None else str(checkpoint))
     lm.set_cache_hook(CacheHook(None))  # a later call on this lm must not write into this checkpoint
     return results
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from harness import devices
+from harness import devices, placement
 from harness.cache import Cache, file_sha256, stable_hash
 from harness.config import ModelConfig
 
@@ -186,9 +186,9 @@ def _load_hf(cfg: ModelConfig, offload_dir: Path) -> tuple[Any, Any, dict]:
     if device.startswith("cuda"):
         kwargs["device_map"] = device
     elif device == devices.AUTO:
-        from harness.placement import check_fits
         source = str(local) if local.is_dir() else cfg.path
-        check_fits(source, cfg, offload_dir)  # max_memory that cannot hold the model fails before any weight is read
+        # a max_memory that cannot hold the model fails before any weight is read
+        placement.check_fits(source, cfg, offload_dir, torch_dtype(cfg.dtype))
         kwargs.update(device_map="auto", max_memory=devices.parse_max_memory(cfg.max_memory),
                       offload_folder=str(offload_dir))
     model = AutoModelForCausalLM.from_pretrained(str(local) if local.is_dir() else cfg.path,
@@ -278,8 +278,7 @@ def load(cfg: ModelConfig, cache_dir: str | os.PathLike) -> LoadedModel:
     device = check_device(cfg.device, cfg.dtype)
     if device == devices.AUTO:
         if cfg.source != "hf":  # built or loaded in host memory: spread it now
-            from harness.placement import dispatch
-            model = dispatch(model, devices.parse_max_memory(cfg.max_memory), _offload_dir(cache, cfg))
+            model = placement.dispatch(model, devices.parse_max_memory(cfg.max_memory), _offload_dir(cache, cfg))
     elif not device.startswith("cuda") or cfg.source != "hf":
         model = model.to(device)
     model.eval()

@@ -11,6 +11,9 @@ model that does not fit the budget is refused before any weight is read. Weights
 offloaded (their parameters are on the ``meta`` device, the values live in accelerate's
 weights map) cannot be rewritten in place by a weight-quantizing scheme, so such a scheme is
 refused on them (:func:`check_quantizable`) rather than silently doing nothing.
+
+Imports run one way: :mod:`harness.models` loads a model and asks this module to place it;
+this module knows devices (:mod:`harness.devices`) and accelerate, never the model sources.
 """
 from __future__ import annotations
 
@@ -21,13 +24,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from harness.models import ModelLoadError
+from harness.devices import parse_max_memory
 
 log = logging.getLogger(__name__)
 
 
-class PlacementError(ModelLoadError):
-    """The model cannot be placed under the given ``model.max_memory`` (or a scheme cannot run on that placement)."""
+class PlacementError(RuntimeError):
+    """The model cannot be placed under the given ``model.max_memory`` (or a scheme cannot run on that placement).
+
+    A user error like :class:`harness.models.ModelLoadError` (:func:`harness.cli.user_errors` lists both).
+    """
 
 
 def _no_split(model: nn.Module) -> list[str]:
@@ -58,16 +64,13 @@ def infer_map(model: nn.Module, max_memory: dict | None) -> dict[str, Any]:
     return device_map
 
 
-def check_fits(source: str, cfg: Any, offload_dir: Path) -> dict[str, Any]:
+def check_fits(source: str, cfg: Any, offload_dir: Path, dtype: torch.dtype) -> dict[str, Any]:
     """Infer the device map of a hub/local model from its config alone (no weights read)."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from harness.devices import parse_max_memory
-    from harness.models import torch_dtype
     config = AutoConfig.from_pretrained(source, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     with init_empty_weights():
-        empty = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(cfg.dtype),
+        empty = AutoModelForCausalLM.from_config(config, dtype=dtype,
                                                  trust_remote_code=cfg.trust_remote_code)
     device_map = infer_map(empty, parse_max_memory(cfg.max_memory))
     if "disk" in device_map.values():

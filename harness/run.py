@@ -25,8 +25,8 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from harness import (background_reference, candidate, cli, devices, divergence, evaluate, gate, ledger, longgen,
-                     models, placement, quant, report, resources, summary, sweep, tracking)
+from harness import (background_reference, candidate, cli, devices, divergence, evaluate, gate, joblog, ledger,
+                     longgen, models, placement, progress, quant, report, resources, summary, sweep, tracking)
 from harness.cache import Cache, atomic_write_json, atomic_write_text, check_cache_dir
 from harness.config import RunConfig
 from harness.identity import check_backend, config_dict, eval_settings, run_key, run_name, to_config, tokenizer_dir
@@ -51,14 +51,20 @@ class Timings:
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
         start = time.perf_counter()
-        log.info("▶ %s", name)
+        progress.current().stage(name)  # "▶ name" in the log, or the job's progress display
         self.meter.begin(name)
         try:
-            yield
+            with progress.token_source(self.tokens):
+                yield
         finally:
             elapsed = time.perf_counter() - start
             self.stages[name] = self.stages.get(name, 0.0) + elapsed
             self.meter.end(name, elapsed)
+            progress.current().stage(name, elapsed)
+
+    def tokens(self) -> int:
+        """Tokens the model has run in this process so far (every stage)."""
+        return sum(use.prefill_tokens + use.generated_tokens for use in self.meter.stages.values())
 
 
 @dataclass
@@ -101,6 +107,7 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     logging.getLogger("lm_eval").setLevel(logging.WARNING)  # per-request INFO lines drown the stage log
     timings = Timings()
     checked = preflight(cfg)
+    progress.current().plan([s.name for s in checked.slices])
     cache = Cache(cfg.paths.cache_dir)
     with timings.stage("load"):
         loaded = models.load(cfg.model, cfg.paths.cache_dir)
@@ -109,6 +116,7 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     placement.check_quantizable(loaded.model, quant.changes_weights(cfg.quant))  # device=auto with disk offload
     key = run_key(cfg, loaded.identity)
     results_dir = prepare_results_dir(cfg, key)
+    joblog.attach(results_dir)  # the command line's job.log (libraries' messages) lives with the results
     if (results_dir / "summary.json").exists() and not cfg.force:
         log.info("finished results for this config exist in %s; reusing them (force=true recomputes)", results_dir)
         _log_to_mlflow(results_dir, cfg, checked)
@@ -118,7 +126,8 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     if cfg.force:
         shutil.rmtree(checkpoint, ignore_errors=True)
 
-    with timings.stage("reference"):  # a reference another job is computing is read after evaluating
+    # a reference another job is computing is read after evaluating
+    with timings.stage("reference"), progress.side("reference"):
         background = background_reference.start(cfg, loaded, checked.slices, cache, runtime["threads"])
         references = {s.name: r for s in checked.slices
                       if (r := reference_unless_busy(loaded, s, cfg, cache)) is not None}
@@ -134,13 +143,16 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
         evaluated = evaluate_quantized(loaded, checked.slices, cfg, checkpoint)
     if deferred:
         # the child's thread count: a reference computed here after the child died matches the divergence stage
-        with timings.stage("reference_wait"), background_reference.scoring_threads(background, runtime["threads"]):
+        with timings.stage("reference_wait"), progress.side("reference"), \
+                background_reference.scoring_threads(background, runtime["threads"]):
             references.update(deferred_references(loaded, deferred, cfg, cache))
         references = {s.name: references[s.name] for s in checked.slices}
     runtime.update(background_reference.collect(background, timings.meter))
     if background is not None:  # read from the cache, but computed for this job
         references = {name: dataclasses.replace(r, cached=False) if name in background.slices else r
                       for name, r in references.items()}
+    for name in [name for name, r in references.items() if r.cached]:
+        progress.current().note("reference", name, "cached")
     references = share_heads(references)  # the frozen head lives once per run, not once per slice
     with timings.stage("divergence"), background_reference.scoring_threads(background, runtime["threads"]):
         tokens = pd.concat([divergence.compare_to_reference(loaded.model, references[s.name].texts, s.name)

@@ -12,6 +12,10 @@ view. MLflow 3.17's UI picks its GenAI or "Model training" view from a global sw
 ``workflowType`` URL parameter, else the browser's last choice, GenAI by default), so the
 links logged here (:func:`experiment_url`) carry ``workflowType=machine_learning``.
 
+Where a reviewer lands, the run page, its description (:func:`run_description`, the
+``mlflow.note.content`` tag) holds the terminal table and, when the job was gated, the gate's
+outcome per slice; the experiment's (:data:`EXPERIMENT_DESCRIPTION`) says what a run is.
+
 A sweep's runs share the tag ``harness.sweep_id`` (see :mod:`harness.sweep`); there is no
 parent run, so every run stays a plain, comparable job and parallel jobs never race to
 create one. To group them: *Group by* -> ``harness.sweep_id`` in the runs table; to see one
@@ -42,6 +46,16 @@ SWEEP_TAG = "harness.sweep_id"
 # MLflow 3 UI: which page an experiment opens on; this value is the classic runs table.
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 CLASSIC_EXPERIMENT_KIND = "custom_model_development"
+NOTE_TAG = "mlflow.note.content"  # the description of a run or experiment in the UI (Markdown)
+MAX_NOTE_CHARS = 8000  # MLflow's limit on a run tag's value
+EXPERIMENT_DESCRIPTION = (
+    "Each run is one job of the quant-harness: a quantized model (the run's `scheme` tag) against its own "
+    "unquantized reference (`model`), on the same items of each slice (`slices`; the Dataset column gives each "
+    "slice's item digest). Open a run: its description holds the per-slice table of the terminal — accuracy of "
+    "both sides, the paired Δ with its 95% interval, right→wrong / wrong→right flips, McNemar p, the verdict, "
+    "KL and top-1 agreement — and, when the job was gated, the gate's pass / fail / inconclusive per slice. "
+    "Everything else is under Artifacts: report.md, the per-item and per-token records, the job's log. Runs of "
+    "one sweep share the tag `harness.sweep_id` (Group by it).")
 
 
 class TrackingError(RuntimeError):
@@ -99,10 +113,65 @@ def ensure_experiment(client: Any, name: str) -> str:
     """
     exp = client.get_experiment_by_name(name)
     if exp is None:
-        return client.create_experiment(name, tags={EXPERIMENT_KIND_TAG: CLASSIC_EXPERIMENT_KIND})
+        return client.create_experiment(name, tags={EXPERIMENT_KIND_TAG: CLASSIC_EXPERIMENT_KIND,
+                                                    NOTE_TAG: EXPERIMENT_DESCRIPTION})
     if EXPERIMENT_KIND_TAG not in exp.tags:
         client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, CLASSIC_EXPERIMENT_KIND)
+    if NOTE_TAG not in exp.tags:  # a description someone wrote is theirs
+        client.set_experiment_tag(exp.experiment_id, NOTE_TAG, EXPERIMENT_DESCRIPTION)
     return exp.experiment_id
+
+
+def _first_table(markdown: str) -> str:
+    """The first Markdown table of ``markdown`` (report.md's first is the terminal table)."""
+    lines = markdown.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("|")), None)
+    if start is None:
+        return ""
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return "\n".join(line.rstrip() for line in lines[start:end])
+
+
+def _cell(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def gate_markdown(gate: Mapping[str, Any]) -> str:
+    """gate.json as a headline and one row per slice and criterion."""
+    lines = [f"**Gate: {gate.get('outcome', '?')}** (exit code {gate.get('exit_code', '?')})", ""]
+    rows = [c for run in gate.get("runs", []) for c in run.get("criteria", [])]
+    if rows:
+        lines += ["| slice | criterion | outcome | why |", "|:--|:--|:--|:--|"]
+        lines += [f"| {_cell(c.get('slice', ''))} | {_cell(c.get('criterion', ''))} | {_cell(c.get('outcome', ''))} "
+                  f"| {_cell(c.get('message', ''))} |" for c in rows]
+    return "\n".join(lines)
+
+
+def run_description(result_dir: Path, summary: Mapping[str, Any]) -> str:
+    """The run page's description (Markdown): what was compared, the terminal table, the gate's outcome.
+
+    Read from the results directory (report.md, gate.json), so ``harness.sync`` writes the same
+    one later. Within MLflow's 8,000 characters: the gate's rows are dropped first, then the table's.
+    """
+    quant = summary.get("quant", {})
+    bits = quant.get("bits_per_weight")
+    head = (f"**{summary.get('model', '?')} · {summary.get('scheme', '?')}**"
+            + (f" ({float(bits):.3f} bits/weight)" if isinstance(bits, (int, float)) else "")
+            + f" vs the unquantized reference; run key `{summary.get('run_key', '')}`")
+    report = result_dir / "report.md"
+    table = _first_table(report.read_text()) if report.exists() else ""
+    gate_path = result_dir / "gate.json"
+    gate = gate_markdown(json.loads(gate_path.read_text())) if gate_path.exists() else ""
+    foot = "Details under Artifacts: report.md (sub-slices, generation, KL by position), job.log (every message)."
+    parts = [head, table, gate, foot]
+    text = "\n\n".join(p for p in parts if p)
+    while len(text) > MAX_NOTE_CHARS and (gate or table):
+        if gate:
+            gate = "\n".join(gate.splitlines()[:-1]) if len(gate.splitlines()) > 3 else ""
+        else:
+            table = "\n".join(table.splitlines()[:-1]) if len(table.splitlines()) > 3 else ""
+        text = "\n\n".join(p for p in [head, table, gate, foot] if p)
+    return text[:MAX_NOTE_CHARS]
 
 
 # Stages of run.py's timings that end after ``finished_at`` is stamped; ``model_*`` entries
@@ -320,7 +389,7 @@ def _log_results(result_dir: str | os.PathLike, *, uri: str, experiment: str,
     end_ms = None if ended is None else int(round(ended * 1000))
     start_ms = end_ms if started is None else int(round(started * 1000))  # unknown start: at least the date
     run = client.create_run(experiment_id, start_time=start_ms, run_name=summary["run_name"],
-                            tags=resolve_tags(tags))
+                            tags=resolve_tags({**tags, NOTE_TAG: run_description(result_dir, summary)}))
     run_id = run.info.run_id
     try:
         params = [Param(k, v) for k, v in flatten_config(config).items()]

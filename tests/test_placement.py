@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 import torch
 
-from harness import models
+from harness import cli, models
 from harness import run as run_mod
 from harness.config import load_model_config
 from harness.placement import PlacementError, offloaded
@@ -108,3 +108,27 @@ def test_llama70b_is_split_and_its_launcher_asks_for_the_gpus_it_names():
     launcher = composed.hydra.launcher
     assert launcher.gpus_per_node == len(gpus)
     assert launcher.mem_gb >= 256 and "submitit" in launcher._target_.lower()
+
+
+def test_models_and_placement_import_one_way():
+    """models places a model through placement; placement never imports models back (no cycle)."""
+    import ast
+    from pathlib import Path
+
+    import harness.models
+    import harness.placement
+
+    def harness_imports(module) -> set[str]:
+        tree = ast.parse(Path(module.__file__).read_text())
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                found.add(node.module)
+                found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        return {name for name in found if name.startswith("harness.")}
+
+    assert "harness.placement" in harness_imports(harness.models)
+    assert not {name for name in harness_imports(harness.placement) if name.startswith("harness.models")}
+    assert PlacementError in cli.user_errors()  # still one clean error line on the command line

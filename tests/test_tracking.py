@@ -209,3 +209,62 @@ def test_a_run_with_only_an_end_time_is_dated_by_it(tmp_path, uri, experiment):
     tracking.log_results(directory, uri=uri, experiment=experiment)
     run = only_run(uri, experiment)
     assert run.info.start_time == run.info.end_time == 1_790_000_725_500
+
+
+# -- the run page's description: the terminal table and the gate --------------------------------
+
+HEADLINE = pd.DataFrame([
+    {"slice": "overall", "n": 36, "acc ref": "0.556", "acc quant": "0.444", "Δacc [95% CI]": "-0.111 [-0.250, +0.028]",
+     "flips r→w / w→r": "6 / 2", "verdict": "inconclusive", "KL mean ± SE": "0.0412 ± 0.0020"},
+    {"slice": "math", "n": 24, "acc ref": "0.5", "acc quant": "0.375", "Δacc [95% CI]": "-0.125 [-0.292, +0.042]",
+     "flips r→w / w→r": "4 / 1", "verdict": "inconclusive", "KL mean ± SE": "0.0388 ± 0.0021"}])
+GATE = {"outcome": "fail", "exit_code": 1, "runs": [{"run_name": "tiny/int4_g128", "outcome": "fail", "criteria": [
+    {"slice": "math", "criterion": "accuracy_noninferiority", "outcome": "fail",
+     "message": "fail: delta -12.5 pt [-29.2, +4.2] vs margin -5 pt"},
+    {"slice": "code", "criterion": "kl_mean", "outcome": "pass", "message": "pass: kl_mean 0.04 <= 0.1"}]}]}
+
+
+def write_report(directory: Path, gate: dict | None = None) -> None:
+    """report.md as report.markdown lays it out (title, a line, the terminal table, more sections)."""
+    table = HEADLINE.to_markdown(index=False)
+    (directory / "report.md").write_text(f"# tiny/int4_g128\n\nScheme `int4_g128` (rtn) on `tiny_random`.\n\n"
+                                         f"{table}\n\n## Sub-slices\n\n| slice | sub_slice |\n|:--|:--|\n| math | level=0 |\n")
+    if gate is not None:
+        (directory / "gate.json").write_text(json.dumps(gate))
+
+
+def test_the_run_description_holds_the_terminal_table_and_the_gate(tmp_path, uri, experiment):
+    directory = write_result_dir(tmp_path / "results")
+    write_report(directory, GATE)
+    run = tracking.log_results(directory, uri=uri, experiment=experiment)
+    note = mlflow.tracking.MlflowClient(tracking_uri=uri).get_run(run).data.tags[tracking.NOTE_TAG]
+    assert note.startswith("**tiny_random · int4_g128** (4.125 bits/weight) vs the unquantized reference")
+    assert HEADLINE.to_markdown(index=False) in note  # the table as the terminal shows it, rows in order
+    assert "sub_slice" not in note  # report.md's later sections stay in the artifacts
+    assert "**Gate: fail** (exit code 1)" in note
+    assert "| math | accuracy_noninferiority | fail | fail: delta -12.5 pt [-29.2, +4.2] vs margin -5 pt |" in note
+    assert "| code | kl_mean | pass |" in note
+
+
+def test_an_ungated_run_has_no_gate_and_a_long_table_fits_mlflows_limit(tmp_path):
+    directory = write_result_dir(tmp_path / "results")
+    write_report(directory)
+    note = tracking.run_description(directory, json.loads((directory / "summary.json").read_text()))
+    assert "Gate" not in note and HEADLINE.to_markdown(index=False) in note
+    many = {**GATE, "runs": [{"criteria": [{"slice": f"s{i}", "criterion": "kl_mean", "outcome": "pass",
+                                            "message": "pass: " + "x" * 80} for i in range(200)]}]}
+    write_report(directory, many)
+    note = tracking.run_description(directory, json.loads((directory / "summary.json").read_text()))
+    assert len(note) <= tracking.MAX_NOTE_CHARS
+    assert HEADLINE.to_markdown(index=False) in note and "**Gate: fail**" in note  # gate rows go first
+
+
+def test_the_experiment_gets_a_description_unless_it_has_one(tmp_path, uri, experiment):
+    client = mlflow.tracking.MlflowClient(tracking_uri=uri)
+    described = f"{experiment}-described"
+    client.create_experiment(described, tags={tracking.NOTE_TAG: "our own words"})
+    for name in (experiment, described):
+        tracking.log_results(write_result_dir(tmp_path / name), uri=uri, experiment=name)
+    assert client.get_experiment_by_name(experiment).tags[tracking.NOTE_TAG] == tracking.EXPERIMENT_DESCRIPTION
+    assert client.get_experiment_by_name(described).tags[tracking.NOTE_TAG] == "our own words"
+    assert "\n" not in tracking.EXPERIMENT_DESCRIPTION  # one paragraph

@@ -8,6 +8,8 @@ headline columns chosen (scheme, model, slices, overall Δacc, flips, KL: saved 
 own settings, as the Columns menu would), the cells must hold the logged values; one
 *Group by* -> ``harness.sweep_id`` must show the two sweeps as groups. The screenshot goes to
 the test's tmp dir, the test artifacts dir and ``benchmarks/results/mlflow_runs.png``.
+A second test opens a run's own page: its description must render the terminal table and
+the gate's outcome, and the experiment page its one-paragraph description.
 
 Without Chromium the test skips, unless HARNESS_REQUIRE_SYSTEM_TESTS=1 (then it fails).
 """
@@ -178,3 +180,42 @@ def test_reviewer_sees_the_classic_runs_table_with_datasets_headlines_and_sweeps
         assert image.format == "PNG" and image.size[0] >= 2000
         colours = image.convert("RGB").resize((200, 200)).getcolors(maxcolors=200 * 200)
         assert colours is not None and len(colours) > 50  # not blank: text, chips, table
+
+
+def test_reviewer_lands_on_a_run_page_whose_description_is_the_headline(browser, tmp_path):  # noqa: F811
+    """The run page: its description renders the terminal table and the gate (bold outcome, one row per
+    slice and criterion). The experiment page: its one-paragraph description. Screenshot of the run page
+    in the test artifacts dir."""
+    from tests.test_tracking import GATE, HEADLINE, write_report
+
+    with mlflow_server(tmp_path / "server", free_port()) as uri:
+        directory = write_result_dir(tmp_path / "results", "int4_g128", slices=SLICES)
+        write_report(directory, GATE)
+        run_id = tracking.log_results(directory, uri=uri, experiment="quant-harness")
+        experiment_id = mlflow.tracking.MlflowClient(tracking_uri=uri).get_experiment_by_name(
+            "quant-harness").experiment_id
+        browser.open_page(f"{uri}/#/experiments/{experiment_id}/runs/{run_id}")
+        browser.call("Emulation.setDeviceMetricsOverride", {"width": 1600, "height": 1400, "deviceScaleFactor": 1,
+                                                            "mobile": False})
+        wait_until(browser, "document.body.innerText.includes('Gate: fail')", "the gate in the run's description")
+        # the description is rendered Markdown: the terminal table as a table, the gate in bold, its rows
+        tables = wait_until(browser, """(() => { const t = [...document.querySelectorAll('table')].map(t =>
+            [...t.querySelectorAll('tr')].map(r => [...r.querySelectorAll('th,td')].map(c => c.innerText.trim())));
+            return t.length >= 2 && t; })()""", "the description's tables")
+        headline = next(t for t in tables if t and "Δacc [95% CI]" in t[0])
+        assert headline[0] == list(HEADLINE.columns)
+        assert [row[0] for row in headline[1:]] == list(HEADLINE["slice"])
+        assert headline[2][HEADLINE.columns.get_loc("Δacc [95% CI]")] == "-0.125 [-0.292, +0.042]"
+        gate = next(t for t in tables if t and t[0] == ["slice", "criterion", "outcome", "why"])
+        assert [row[:3] for row in gate[1:]] == [["math", "accuracy_noninferiority", "fail"],
+                                                 ["code", "kl_mean", "pass"]]
+        strong = browser.evaluate("[...document.querySelectorAll('strong')].map(e => e.innerText.trim())")
+        assert "Gate: fail" in strong
+        assert not [p for p in browser.problems() if p.startswith("exception")]
+        shot = browser.screenshot()
+        # the experiment's page carries its paragraph above the runs table (Markdown: code spans lose their ticks)
+        browser.open_page(tracking.experiment_url(uri, experiment_id))
+        wait_until(browser, "document.body && document.body.innerText.includes('1 matching run')",
+                   "the run in the runs table")
+        assert tracking.EXPERIMENT_DESCRIPTION.replace("`", "") in browser.evaluate("document.body.innerText")
+    (artifact_dir() / "mlflow_run_description.png").write_bytes(shot)

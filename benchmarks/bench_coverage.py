@@ -101,7 +101,7 @@ def simulate(rng: np.random.Generator, scenario: Scenario, n_clusters: int) -> t
 
 def _plain_bootstrap(codes: np.ndarray, values: np.ndarray, n_resamples: int, seed: int) -> np.ndarray:
     """Percentile intervals (rows: columns of ``values``) of the plain cluster bootstrap."""
-    boot = hstats._bootstrap_means(codes, values, n_resamples, np.random.default_rng(seed))
+    boot = hstats.paired._bootstrap_means(codes, values, n_resamples, np.random.default_rng(seed))
     tail = (1 - LEVEL) / 2
     return np.quantile(boot, [tail, 1 - tail], axis=0).T
 

@@ -214,7 +214,7 @@ def _paired_data(draw):
     return ref, quant, clusters, margin, level
 
 
-@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_paired_data())
 def test_no_verdict_or_p_value_contradicts_the_interval(data) -> None:
     ref, quant, clusters, margin, level = data

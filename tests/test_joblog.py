@@ -44,7 +44,9 @@ def emit_job_messages() -> None:
     logging.getLogger("harness").warning("SHARED TRACKING STORE: parallel jobs on one SQLite file")
     logging.getLogger("harness.models").info("loaded tiny_random in 0.4s")
     logging.getLogger("datasets").error("dataset script failed\nTraceback (most recent call last): ...")
-    warnings.warn("torch.tensor results are registered as constants", UserWarning)
+    with warnings.catch_warnings():  # every call emits it: an earlier test's emission must not dedupe it away
+        warnings.simplefilter("always")
+        warnings.warn("torch.tensor results are registered as constants", UserWarning)
 
 
 def test_library_messages_go_to_the_job_log_and_the_harness_stays_on_the_console(console, transformers_like, tmp_path):

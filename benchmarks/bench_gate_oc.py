@@ -14,7 +14,9 @@ with the true Δ set exactly, and the gate's accuracy criterion is applied at α
   over 5 slices, as the gate does for a five-slice run; must be <= α / 5).
 
 "new" is the harness's rule (``harness.stats.score``: pass ⇔ the lower bound of the 1 - 2α
-interval > -m, i.e. Z(-m) > t_{1-α, G-1}); "old" the rule before it (a t statistic on the CR1 cluster-robust SE, floored at
+interval > -m, i.e. Z(-m) > t_{1-α, ν}, ν = G - 1, or the effective number of clusters when the
+design effect exceeds 1); "g1" the same test on t_{G-1} whatever the design effect (the rule
+before the effective number of clusters); "old" the rule before it (a t statistic on the CR1 cluster-robust SE, floored at
 1/n, against t_{G-1}: a Wald test). The least favourable configuration of the all-slices ship
 decision is simulated too: one slice at Δ = -m, four at Δ = +5 pt with 1,000 items.
 
@@ -42,7 +44,7 @@ import numpy as np
 from scipy import stats as sps
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from harness.stats.score import score_z  # noqa: E402
+from harness.stats.score import effective_clusters, score_z  # noqa: E402
 
 ALPHA = 0.05
 SUB_SCORES = 4  # sub-scores averaged into one partial-credit item
@@ -121,14 +123,16 @@ def decisions(diffs: np.ndarray, codes: np.ndarray, clusters: int, margin: float
     iid = diffs.var(axis=1, ddof=1) * n
     deff = np.ones_like(mean) if clusters == n else np.where(iid > 0, np.maximum(cr1 / np.where(iid > 0, iid, 1), 1), 1)
     z = score_z(-margin, gains, losses, n, deff)
-    dof = clusters - 1
+    dof = np.where(deff > 1, effective_clusters(resid), clusters - 1)  # harness.stats.score.score_dof
     new_pass = z > sps.t.ppf(1 - ALPHA, dof)
     new_fail = z < -sps.t.ppf(1 - ALPHA / slices, dof)
+    # Before the effective number of clusters: t on G - 1 whatever the design effect.
+    g1_pass = z > sps.t.ppf(1 - ALPHA, clusters - 1)
     # Old: Wald t on the CR1 SE (floored at 1/n), t_{G-1}.
     se = np.sqrt(cr1) / n
     se = np.where(se <= 1e-9 / n, 1.0 / n, se)
     old_pass = (mean + margin) / se > sps.t.ppf(1 - ALPHA, dof)
-    return {"new_pass": new_pass, "new_fail": new_fail, "old_pass": old_pass}
+    return {"new_pass": new_pass, "new_fail": new_fail, "old_pass": old_pass, "g1_pass": g1_pass}
 
 
 # (n, margin): 5-point margins for small slices, 2-point ones from 300 items up.
@@ -167,12 +171,15 @@ def run_row(rng: np.random.Generator, design: dict, reps: int) -> dict | None:
         if name == "at_margin":
             row["false_pass"] = float(out["new_pass"].mean())
             row["false_pass_old"] = float(out["old_pass"].mean())
+            row["false_pass_g1"] = float(out["g1_pass"].mean())
             row["false_fail"] = float(out["new_fail"].mean())
         elif name == "half":
             row["power_half"] = float(out["new_pass"].mean())
+            row["power_half_g1"] = float(out["g1_pass"].mean())
         else:
             row["power_zero"] = float(out["new_pass"].mean())
             row["power_zero_old"] = float(out["old_pass"].mean())
+            row["power_zero_g1"] = float(out["g1_pass"].mean())
     return row
 
 
@@ -258,16 +265,18 @@ def markdown(result: dict) -> str:
         return out
 
     def false_pass(group):
-        return f"{max(r['false_pass'] for r in group):.3f} ({max(r['false_pass_old'] for r in group):.3f})"
+        return f"{max(r['false_pass'] for r in group):.3f} ({max(r.get('false_pass_g1', math.nan) for r in group):.3f})"
 
     def power(key):  # flips both ways: with flips one way Δ = 0 means no flips at all (power 1 from n ~ 100)
         def cell(group):
             both = [r[key] for r in group if r["pattern"] == "both"]
-            return f"{float(np.median(both)):.2f}" if both else "–"
+            before = [r.get(key + "_g1", math.nan) for r in group if r["pattern"] == "both"]
+            return f"{float(np.median(both)):.2f} ({float(np.median(before)):.2f})" if both else "–"
         return cell
 
     lines = [f"False-pass rate at Δ = -m, the largest over reference accuracies {sorted({r['p_ref'] for r in rows})}, "
-             "flip patterns and 0/1 vs partial credit (the old Wald rule in brackets); "
+             "flip patterns and 0/1 vs partial credit (in brackets: the same score test on t with G - 1 degrees "
+             "of freedom whatever the design effect, the rule before the effective number of clusters); "
              f"{result['reps']} data sets per design, Monte-Carlo SE {result['mc_se_at_alpha']:.4f} at α:", ""]
     lines += table(false_pass)
     lines += ["", "Power at Δ = 0, flips both ways (10 % / 20 % of items), median over accuracies and scoring:", ""]

@@ -23,7 +23,7 @@ C = seq.TRUNCATION
 # ---------------------------------------------------------------- (a) scalar reference from the paper
 
 def _reference_bounds(sums: list[float], sizes: list[float], alpha: float, grid_points: int = 4001,
-                      truncation: float = C) -> tuple[list[float], list[float]]:
+                      truncation: float = C, horizon: int | None = None) -> tuple[list[float], list[float]]:
     """Running one-sided bounds, each at level α, by loops: y_i in [0, 1], predictable plug-in bets,
     K+ / K- evaluated on a grid of candidate means, the bound = the last / first grid mean rejected."""
     mean_size = sum(sizes) / len(sizes)
@@ -33,7 +33,8 @@ def _reference_bounds(sums: list[float], sizes: list[float], alpha: float, grid_
     total, squares = 0.0, 0.0
     variance_before = 0.25  # σ̂²_0
     for t, y in enumerate(ys, start=1):
-        bets.append(math.sqrt(2 * math.log(1 / alpha) / (variance_before * t * math.log(1 + t))))
+        spread = t * math.log(1 + t) if horizon is None else horizon
+        bets.append(math.sqrt(2 * math.log(1 / alpha) / (variance_before * spread)))
         total += y
         mu_hat = (0.5 + total) / (t + 1)
         squares += (y - mu_hat) ** 2
@@ -59,8 +60,9 @@ def _reference_bounds(sums: list[float], sizes: list[float], alpha: float, grid_
     return [to_delta(v) for v in lower], [to_delta(v) for v in upper]
 
 
+@pytest.mark.parametrize("horizon", [None, 200])
 @pytest.mark.parametrize("case", ["flips", "partial", "clusters"])
-def test_vectorised_bounds_match_a_scalar_loop(case: str) -> None:
+def test_vectorised_bounds_match_a_scalar_loop(case: str, horizon: int | None) -> None:
     rng = np.random.default_rng({"flips": 1, "partial": 2, "clusters": 3}[case])
     if case == "flips":  # rare 0/±1 differences, every item its own cluster
         sums = rng.choice([-1.0, 0.0, 1.0], p=[0.06, 0.9, 0.04], size=60)
@@ -71,8 +73,8 @@ def test_vectorised_bounds_match_a_scalar_loop(case: str) -> None:
     else:  # unequal clusters of 0/±1 items
         sizes = rng.integers(1, 9, size=25).astype(float)
         sums = np.array([rng.choice([-1.0, 0.0, 1.0], p=[0.2, 0.7, 0.1], size=int(k)).sum() for k in sizes])
-    lower, upper = seq.cs_bounds(sums, sizes, sizes.mean(), ALPHA)
-    ref_lower, ref_upper = _reference_bounds(sums.tolist(), sizes.tolist(), ALPHA)
+    lower, upper = seq.cs_bounds(sums, sizes, sizes.mean(), ALPHA, horizon=horizon)
+    ref_lower, ref_upper = _reference_bounds(sums.tolist(), sizes.tolist(), ALPHA, horizon=horizon)
     step = 2 * sizes.max() / sizes.mean() / 4000  # the reference's grid step in Δ units
     assert np.all(np.abs(lower - ref_lower) <= step + 1e-12)
     assert np.all(np.abs(upper - ref_upper) <= step + 1e-12)
@@ -98,7 +100,7 @@ def test_matches_confseq_betting_cs() -> None:
     rng = np.random.default_rng(5)
     y = rng.beta(2, 3, size=80)  # data already in [0, 1]: sums = 2y - 1 with unit clusters, M = 1
 
-    def ours(x: np.ndarray, m: float, alpha: float = ALPHA) -> np.ndarray:  # confseq asks for λ(x, m)
+    def ours(x: np.ndarray, m: float) -> np.ndarray:  # confseq asks for λ(x, m): WSR's plug-in, as ours
         return seq.predictable_bets(np.asarray(x, dtype=float), ALPHA)
 
     # theta = 1: the capital is K+ alone, so confseq's set {m : K < 1/α} is our one-sided lower bound
@@ -114,10 +116,14 @@ def test_matches_confseq_betting_cs() -> None:
 # ---------------------------------------------------------------- (c) Monte Carlo: anytime coverage
 
 def _crossing_rates(sums: np.ndarray, sizes: np.ndarray, mean_size: float, truth: float) -> tuple[float, float]:
-    """Share of data sets whose running lower bound ever exceeds the truth, and whose upper ever falls below."""
-    plus = seq.log_capital(sums, sizes, mean_size, truth, ALPHA, "lower").max(axis=-1) >= math.log(1 / ALPHA)
-    minus = seq.log_capital(sums, sizes, mean_size, truth, ALPHA, "upper").max(axis=-1) >= math.log(1 / ALPHA)
-    return float(plus.mean()), float(minus.mean())
+    """Share of data sets whose running lower bound ever exceeds the truth, and whose upper ever falls below;
+    the worse of the two bets (WSR's plug-in, and tuned to the number of clusters as sequential_test does)."""
+    rates = []
+    for horizon in (None, sums.shape[-1]):
+        plus = seq.log_capital(sums, sizes, mean_size, truth, ALPHA, "lower", horizon=horizon).max(axis=-1)
+        minus = seq.log_capital(sums, sizes, mean_size, truth, ALPHA, "upper", horizon=horizon).max(axis=-1)
+        rates.append((float((plus >= math.log(1 / ALPHA)).mean()), float((minus >= math.log(1 / ALPHA)).mean())))
+    return max(r[0] for r in rates), max(r[1] for r in rates)
 
 
 def _mc_limit(reps: int) -> float:
@@ -139,13 +145,13 @@ def test_running_bounds_cover_the_mean_at_every_look(scenario: str) -> None:
         g = 200
         sums = rng.beta(0.5, 0.5, size=(reps, g)) - rng.beta(0.6, 0.5, size=(reps, g))
         sizes, truth = np.ones(g), 0.5 - 0.6 / 1.1
-    elif scenario == "clusters equal":  # 40 clusters of 10 items, a Beta cluster effect on the loss rate
-        g, k = 40, 10
-        rate = rng.beta(0.5, 9.5, size=(reps, g, 1))  # mean 0.05, strong intra-cluster correlation
-        sums = -(rng.random((reps, g, k)) < rate).sum(axis=2).astype(float)
+    elif scenario == "clusters equal":  # 300 clusters of 5 items, a Beta cluster effect on the loss rate
+        g, k = 300, 5
+        rate = rng.beta(0.5, 9.5, size=(reps, g))  # mean 0.05, strong intra-cluster correlation
+        sums = -rng.binomial(k, rate).astype(float)
         sizes, truth = np.full(g, float(k)), -0.05
     else:  # i.i.d. clusters of sizes 1..20; loss rate heavy-tailed between clusters (Lomax 1.5), independent of size
-        g = 60
+        g = 300
         sizes = rng.integers(1, 21, size=(reps, g)).astype(float)
         rate = np.minimum(rng.pareto(1.5, size=(reps, g)) * 0.05, 1.0)
         truth = -0.05 * 2 * (1 - 21**-0.5)  # E[min(0.05 X, 1)], X ~ Lomax(1.5): 0.05 ∫_0^20 (1 + x)^-1.5 dx
@@ -193,7 +199,7 @@ def test_items_as_own_clusters_is_the_plain_mean_scale() -> None:
     # the same items as 100 one-item clusters through sequential_test's bookkeeping
     result = seq.sequential_test(d, np.arange(100), 0.05, stop=False, round_items=100, seed=3)
     order = seq.cluster_order(np.arange(100), 3)
-    reordered = seq.cs_bounds(d[order], np.ones(100), 1.0, ALPHA)
+    reordered = seq.cs_bounds(d[order], np.ones(100), 1.0, ALPHA, horizon=100)
     assert result.looks_lower[-1] == pytest.approx(reordered[0][-1], abs=1e-12)
     assert direct[0].shape == (100,)
 
@@ -240,8 +246,8 @@ def test_verdict_agrees_with_the_capital_at_the_margin() -> None:
         result = seq.sequential_test(d, codes, margin, family=family, seed=rep)
         order = seq.cluster_order(codes, rep)
         sums, sizes = np.bincount(codes, weights=d)[order], np.bincount(codes)[order].astype(float)
-        plus = np.maximum.accumulate(seq.log_capital(sums, sizes, 2.0, -margin, ALPHA, "lower"))
-        minus = np.maximum.accumulate(seq.log_capital(sums, sizes, 2.0, -margin, ALPHA / family, "upper"))
+        plus = np.maximum.accumulate(seq.log_capital(sums, sizes, 2.0, -margin, ALPHA, "lower", horizon=g))
+        minus = np.maximum.accumulate(seq.log_capital(sums, sizes, 2.0, -margin, ALPHA / family, "upper", horizon=g))
         at = result.n_clusters - 1
         passed, failed = plus[at] >= math.log(1 / ALPHA), minus[at] >= math.log(family / ALPHA)
         expected = "pass" if passed else "fail" if failed else "open"

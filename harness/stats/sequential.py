@@ -27,17 +27,20 @@ K- rises), so each bound is one root, found by vectorised bisection. The running
 lower bounds (minimum of the upper ones) is a CS too — the event "μ excluded at some t" is the same
 — and is what is reported, so bounds never widen from one look to the next.
 
-The bet λ̃: WSR's *predictable plug-in* (their eq. for λ^PrPl), one-sided,
+The bet λ̃: WSR's *predictable plug-in* (their λ^PrPl), one-sided, with the running variance,
 
-    λ̃_t = sqrt(2 log(1/α) / (σ̂²_{t-1} t log(1 + t))),
+    λ̃_t = sqrt(2 log(1/α) / (σ̂²_{t-1} · s_t)),
     μ̂_t = (1/2 + Σ_{i<=t} y_i) / (t + 1),   σ̂²_t = (1/4 + Σ_{i<=t} (y_i - μ̂_i)²) / (t + 1),
 
-which bets about what maximises the capital's growth against a sub-Gaussian alternative with the
-running variance, shrinking like sqrt(1 / (t log t)) so that the CS tightens at close to the
-law-of-the-iterated-logarithm rate at *every* t instead of being tuned to one look (we stop at
-whichever look settles a slice, so no look is privileged). A small running variance — a slice
-with rare flips — gives a bold bet, which is where betting beats any variance-bound interval.
-The bets of the fail side use α/k in place of α.
+about the bet that maximises the capital's growth against a sub-Gaussian alternative at the
+running variance. WSR's CS takes s_t = t log(1 + t) (``horizon=None``), tightening at close to
+the law-of-the-iterated-logarithm rate at every t. A slice's cluster count G is known before
+anything is scored, and the gate's last look is at G, so :func:`sequential_test` takes s_t = G
+(WSR's bet tuned to a sample size): any predictable bet keeps the CS valid at every t, and on
+the simulated designs this doubled the pass rate at Δ = 0 and n = 1,000 (0.24 → 0.47, 400 data
+sets) at the price of stopping a large drop slightly later (fraction 0.23 → 0.28). A small
+running variance — a slice with rare flips — gives a bold bet, which is where betting beats any
+variance-bound interval. The bets of the fail side use α/k in place of α.
 
 Observations are clusters, not items. Items that share a source are correlated, so a
 martingale argument on items would be wrong; clusters are the independent units. For cluster g
@@ -106,13 +109,17 @@ def _unit(sums: ArrayLike, sizes: ArrayLike, mean_size: ArrayLike, max_size: Arr
     return y, bound
 
 
-def predictable_bets(y: np.ndarray, alpha: float) -> np.ndarray:
-    """λ̃_t of the module docstring for every t (..., G): from y_1..y_{t-1} only (predictable)."""
+def predictable_bets(y: np.ndarray, alpha: float, horizon: int | None = None) -> np.ndarray:
+    """λ̃_t of the module docstring for every t (..., G): from y_1..y_{t-1} only (predictable).
+
+    ``horizon`` None: WSR's predictable plug-in, t log(1 + t) in the denominator; an integer H:
+    the same bet tuned to H observations (H in place of t log(1 + t); the slice's cluster count)."""
     t = np.arange(1, y.shape[-1] + 1, dtype=float)
     mu_hat = (0.5 + np.cumsum(y, axis=-1)) / (t + 1)
     var_hat = (0.25 + np.cumsum((y - mu_hat) ** 2, axis=-1)) / (t + 1)
     var_before = np.concatenate([np.full(y.shape[:-1] + (1,), 0.25), var_hat[..., :-1]], axis=-1)
-    return np.sqrt(2 * math.log(1 / alpha) / (var_before * t * np.log1p(t)))
+    spread = t * np.log1p(t) if horizon is None else float(horizon)
+    return np.sqrt(2 * math.log(1 / alpha) / (var_before * spread))
 
 
 def _log_factors(y: np.ndarray, bets: np.ndarray, m: np.ndarray, side: int, truncation: float) -> np.ndarray:
@@ -123,7 +130,7 @@ def _log_factors(y: np.ndarray, bets: np.ndarray, m: np.ndarray, side: int, trun
 
 
 def log_capital(sums: ArrayLike, sizes: ArrayLike, mean_size: ArrayLike, delta: ArrayLike, alpha: float,
-                side: Literal["lower", "upper"], *, max_size: ArrayLike | None = None,
+                side: Literal["lower", "upper"], *, max_size: ArrayLike | None = None, horizon: int | None = None,
                 truncation: float = TRUNCATION) -> np.ndarray:
     """log K_t at Δ = ``delta`` after each cluster t (..., G): the test form of :func:`cs_bounds`.
 
@@ -135,7 +142,7 @@ def log_capital(sums: ArrayLike, sizes: ArrayLike, mean_size: ArrayLike, delta: 
     y, bound = _unit(sums, sizes, mean_size, max_size)
     m = np.clip((np.asarray(delta, dtype=float)[..., None] + bound) / (2 * bound), 0.0, 1.0)
     sign = 1 if side == "lower" else -1
-    return np.cumsum(_log_factors(y, predictable_bets(y, alpha), m, sign, truncation), axis=-1)
+    return np.cumsum(_log_factors(y, predictable_bets(y, alpha, horizon), m, sign, truncation), axis=-1)
 
 
 def _running_bound(y: np.ndarray, bets: np.ndarray, ends: np.ndarray, threshold: float, side: int,
@@ -166,7 +173,7 @@ def _running_bound(y: np.ndarray, bets: np.ndarray, ends: np.ndarray, threshold:
 
 
 def cs_bounds(sums: ArrayLike, sizes: ArrayLike, mean_size: ArrayLike, alpha: float, *,
-              looks: ArrayLike | None = None, max_size: ArrayLike | None = None,
+              looks: ArrayLike | None = None, max_size: ArrayLike | None = None, horizon: int | None = None,
               truncation: float = TRUNCATION) -> tuple[np.ndarray, np.ndarray]:
     """Running one-sided bounds of Δ, each at level α (together a 1 - 2α CS), in Δ units.
 
@@ -174,7 +181,8 @@ def cs_bounds(sums: ArrayLike, sizes: ArrayLike, mean_size: ArrayLike, alpha: fl
     their sizes (broadcast to ``sums``); ``mean_size``: n̄ of the whole slice (per batch row, or one
     number); ``max_size``: the largest cluster of the whole slice (default: the largest in
     ``sizes``, right when ``sums`` covers the slice). ``looks``: the numbers of clusters after which
-    to report (default every t = 1..G). Returns (lower, upper), each (..., len(looks)): the running
+    to report (default every t = 1..G). ``horizon``: the bets (:func:`predictable_bets`; None: WSR's
+    predictable plug-in; the slice's cluster count: tuned to it, as :func:`sequential_test` does). Returns (lower, upper), each (..., len(looks)): the running
     maximum / minimum over every cluster seen so far (not only over looks). A leading batch axis
     (reps, G) simulates many slices at once.
     """
@@ -184,7 +192,7 @@ def cs_bounds(sums: ArrayLike, sizes: ArrayLike, mean_size: ArrayLike, alpha: fl
     if ends.size and (ends.min() < 1 or ends.max() > shape[-1]):
         raise ValueError(f"looks must lie in 1..{shape[-1]}")
     flat = y.reshape(-1, shape[-1])
-    bets = predictable_bets(flat, alpha)
+    bets = predictable_bets(flat, alpha, horizon)
     low = _running_bound(flat, bets, ends, 1 / alpha, +1, truncation)
     high = _running_bound(flat, bets, ends, 1 / alpha, -1, truncation)
     bound = np.broadcast_to(bound, shape[:-1] + (1,)).reshape(-1, 1)
@@ -307,9 +315,9 @@ def sequential_test(diffs: ArrayLike, codes: ArrayLike, margin: float, *, alpha:
     if complete:
         mean_size, max_size = sizes.mean(), sizes.max()
         lower_pass, _ = cs_bounds(sums[seen_order], sizes[seen_order], mean_size, alpha, looks=ends,
-                                  max_size=max_size)
+                                  max_size=max_size, horizon=sizes.size)
         _, upper_fail = cs_bounds(sums[seen_order], sizes[seen_order], mean_size, alpha / family, looks=ends,
-                                  max_size=max_size)
+                                  max_size=max_size, horizon=sizes.size)
     used = complete
     if stop:
         for j in range(complete):

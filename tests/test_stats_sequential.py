@@ -204,6 +204,18 @@ def test_items_as_own_clusters_is_the_plain_mean_scale() -> None:
     assert direct[0].shape == (100,)
 
 
+@pytest.mark.parametrize("margin", [0.05, 0.02])
+def test_min_clusters_to_pass_bounds_when_a_clean_slice_passes(margin: float) -> None:
+    need = seq.min_clusters_to_pass(margin, ALPHA)
+    assert need == {0.05: 116, 0.02: 296}[margin]
+    for horizon in (None, need, 5 * need):  # a lower bound whatever the bets
+        lower, _ = seq.cs_bounds(np.zeros(3 * need), np.ones(3 * need), 1.0, ALPHA, horizon=horizon,
+                                 looks=[need - 1, 3 * need])  # running bounds: the first covers every t < need
+        assert lower[0] <= -margin < lower[1]
+    lower, _ = seq.cs_bounds(np.zeros(need + 5), np.ones(need + 5), 1.0, ALPHA)
+    assert need <= int(np.argmax(lower > -margin)) + 1 <= need + 3  # the plug-in's bets reach their cap early
+
+
 def test_bad_input_is_refused() -> None:
     with pytest.raises(ValueError):
         seq.cs_bounds([2.0], [1.0], 1.0, ALPHA)  # |d| > 1

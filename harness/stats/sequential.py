@@ -66,18 +66,18 @@ the mean of a moving target, not Δ.
 
 The cost: a CS is wider than the fixed-sample interval at the same n — it holds at every n at
 once, and the betting bound spends part of α on the early looks. And it counts clusters, not
-items: in a slice with no change at all (every d = 0) each cluster multiplies the capital at -m by
-1 + c·m/(M - m) (the bet at its cap c/μ), so a pass takes ``min_clusters_to_pass`` =
+items: in a slice with no change at all (every d = 0) each cluster multiplies the capital at -m
+by 1 + c·m/(M - m) (the bet at its cap c/μ), so a pass takes ``min_clusters_to_pass`` =
 log(1/α) / log(1 + c m / (M - m)) clusters (296 at m = 2 pt, 116 at 5 pt, α = 0.05, equal
-clusters), and more when flips both ways add variance. This is no artefact of the
-bets: any procedure valid for every distribution on [-M, M] must allow that a cluster at -M is
-merely rare, and needs of the order of log(1/α)·M/m clusters to rule it out. A slice of 20 sources
-cannot pass sequentially at any margin below ~30 pt; the fixed gate passes it by assuming the t
-approximation holds for 20 clusters, which is where its false-pass rate exceeds α (README). At the full slice the sequential
-test passes a slice at Δ = 0 less often than the fixed score test does; what it buys is stopping
-early when the answer is clear (a large drop fails after a fraction of the items) and a
-false-pass rate that stays at or below α without asymptotics, clustered or not
-(``benchmarks/bench_sequential.py``; README).
+clusters), and more when flips both ways add variance. This is no artefact of the bets: any
+procedure valid for every distribution on [-M, M] must allow that a cluster at -M is merely rare,
+and needs of the order of log(1/α)·M/m clusters to rule it out. A no-change slice of 20 sources
+cannot pass sequentially at a margin below 25 pt; the fixed gate passes such slices by trusting
+the t approximation with 20 clusters, which is where its false-pass rate exceeds α (README,
+bench_gate_oc). At the full slice the sequential test passes a slice at Δ = 0 less often than the
+fixed score test; what it buys is stopping early when the answer is clear (a large drop fails
+after a fraction of the items) and a false-pass rate at or below α without asymptotics, clustered
+or not (``benchmarks/bench_sequential.py``, ``benchmarks/results/sequential.md``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 ``paired``: the per-comparison result (``paired_compare``, ``compare_frame``); ``score``: the one
 inference every claim about Δ comes from (a clustered paired score test and its interval);
-``verdict``: labels read off that interval; ``intervals``: Wilson / Newcombe and the clustered
+``verdict``: labels read off that interval; ``sequential``: the anytime-valid (betting
+confidence sequence) verdict of a slice scored in rounds; ``intervals``: Wilson / Newcombe and the clustered
 variance; ``multiple``: Holm / BH adjustment.
 """
 
@@ -19,6 +20,7 @@ from harness.stats.paired import (
     paired_compare,
 )
 from harness.stats.score import ScoreTest, score_test
+from harness.stats.sequential import SequentialResult, cluster_order, cs_bounds, rounds, sequential_test
 
 __all__ = [
     "BOOTSTRAP_MIN_CLUSTERS",
@@ -27,10 +29,15 @@ __all__ = [
     "RIGHT_THRESHOLD",
     "PairedResult",
     "ScoreTest",
+    "SequentialResult",
     "adjust_pvalues",
+    "cluster_order",
     "compare_frame",
+    "cs_bounds",
     "flip_table",
     "noninferiority_items",
     "paired_compare",
+    "rounds",
     "score_test",
+    "sequential_test",
 ]

@@ -202,6 +202,11 @@ class EvalConfig:
     # fraction of the decode steps on a CPU: harness.generation) | hf (HF generate, as lm-eval runs it)
     generator: str = "harness"
     position_buckets: list[int] = field(default_factory=lambda: [0, 128, 512, 1024, 2048, 4096, 8192])
+    # Sequential evaluation (harness.sequential): the candidate answers each slice's items in rounds of
+    # whole clusters (seeded random order) and a slice stops once its anytime-valid confidence sequence
+    # settles the gate's decision (pass / fail at gate.alpha and the slice's margin); off by default.
+    sequential: bool = False
+    sequential_round_items: Optional[int] = None  # items per round; None: ~1/8 of the slice, at least 8
 
 
 @dataclass

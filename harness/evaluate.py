@@ -24,8 +24,10 @@ from harness.slices import Slice
 
 log = logging.getLogger(__name__)
 
+# doc_id: the item's index in its task's documents (lm-eval's doc_id of a full evaluation), by which a
+# sequential evaluation (harness.sequential) asks lm-eval for a round's items (``samples``)
 RECORD_COLUMNS = ["item_id", "slice", "task", "sub_slice", "cluster", "output_type", "correct", "response", "target",
-                  "prompt", "reply"]
+                  "prompt", "reply", "doc_id"]
 
 
 @dataclass(frozen=True)
@@ -215,8 +217,9 @@ def drop_checkpoint(prefix: str | Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def evaluate_slice(lm: Any, slice_: Slice, settings: EvalSettings,
-                   checkpoint: str | Path | None = None) -> tuple[pd.DataFrame, dict[str, float]]:
+def evaluate_slice(lm: Any, slice_: Slice, settings: EvalSettings, checkpoint: str | Path | None = None,
+                   samples: dict[str, list[int]] | None = None,
+                   progress_offset: tuple[int, int] | None = None) -> tuple[pd.DataFrame, dict[str, float]]:
     """Evaluate one slice; returns (per-item records, lm-eval's own aggregate per task).
 
     ``checkpoint`` is the path prefix of lm-eval's per-request cache (its ``CachingLM``): each
@@ -224,12 +227,18 @@ def evaluate_slice(lm: Any, slice_: Slice, settings: EvalSettings,
     started again with the same prefix recomputes only the requests that were not stored. Its
     keys are hashes of the requests alone, not of the model: the prefix must be unique per
     (model, scheme, settings, slice), e.g. under the run's results directory.
+
+    ``samples`` ({task: [doc index, ...]}) evaluates only those documents of each task (a round of
+    a sequential evaluation; the slice's ``limit`` is then not applied: the indices are within it);
+    lm-eval logs each selected document under its index in the task, as a full evaluation does.
+    ``progress_offset`` = (items done before this call, items planned).
     """
-    results = run_lm_eval(lm, slice_, settings, checkpoint)
+    results = run_lm_eval(lm, slice_, settings, checkpoint, samples, progress_offset)
     return records_from_results(results, slice_)
 
 
-def run_lm_eval(lm: Any, slice_: Slice, settings: EvalSettings, checkpoint: str | Path | None = None) -> dict:
+def run_lm_eval(lm: Any, slice_: Slice, settings: EvalSettings, checkpoint: str | Path | None = None,
+                samples: dict[str, list[int]] | None = None, progress_offset: tuple[int, int] | None = None) -> dict:
     """``simple_evaluate`` on the slice's tasks with per-sample logs (see :func:`evaluate_slice`)."""
     from lm_eval import simple_evaluate
     from lm_eval.api.model import CacheHook
@@ -241,10 +250,13 @@ def run_lm_eval(lm: Any, slice_: Slice, settings: EvalSettings, checkpoint: str 
     metadata = slice_.metadata(settings.seed, settings.tokenizer_path, settings.max_length)
     manager = TaskManager(include_path=None if registry else str(slice_.directory),
                           include_defaults=registry, metadata=metadata)
-    with progress.lm_eval_requests(lm, slice_.name):  # items done for the job's display (its bars quiet)
+    done_before, planned = progress_offset or (0, None)
+    tasks = list(slice_.config.tasks) if samples is None else [t for t in slice_.config.tasks if samples.get(t)]
+    with progress.lm_eval_requests(lm, slice_.name, done_before, planned):  # the job's display (its bars quiet)
         results = simple_evaluate(
-            model=lm, tasks=list(slice_.config.tasks), task_manager=manager,
-            num_fewshot=slice_.config.num_fewshot, limit=slice_.config.limit,
+            model=lm, tasks=tasks, task_manager=manager,
+            num_fewshot=slice_.config.num_fewshot, limit=None if samples is not None else slice_.config.limit,
+            samples=None if samples is None else {task: sorted(samples[task]) for task in tasks},
             apply_chat_template=settings.chat_template, log_samples=True, bootstrap_iters=0,
             random_seed=settings.seed, numpy_random_seed=settings.seed, torch_random_seed=settings.seed,
             fewshot_random_seed=settings.seed, use_cache=None if checkpoint is None else str(checkpoint))
@@ -291,6 +303,7 @@ def records_from_results(results: dict, slice_: Slice) -> tuple[pd.DataFrame, di
                 "response": _response(sample, output_type),
                 "target": str(sample.get("target", "")),
                 **dict(zip(("prompt", "reply"), _served(sample, output_type))),
+                "doc_id": int(sample["doc_id"]),
             })
         frames.append(pd.DataFrame(rows, columns=RECORD_COLUMNS))
         task_results = results["results"][task]

@@ -52,7 +52,7 @@ import numpy as np
 import pandas as pd
 from omegaconf import OmegaConf
 
-from harness import cli, stats
+from harness import cli, sequential, stats
 from harness.cache import atomic_write_json, atomic_write_text
 from harness.config import GateConfig, TokenGateConfig
 from harness.tracking import SWEEP_TAG
@@ -308,13 +308,30 @@ def accuracy_criteria(run: RunResults, cfg: GateConfig) -> list[Criterion]:
                                      seed=int(compare.get("seed", 0)), ci_level=1 - 2 * cfg.alpha, margin=margin,
                                      min_clusters=1)
         fail_level = 1 - 2 * cfg.alpha / family
-        codes = stats.paired.cluster_codes(clusters, len(group))
-        fail_high = stats.score_test(quant - ref, codes).interval(fail_level)[1]
         row = shown.to_dict()
-        row.update(slice=name, chance=slice_chance(cfg, name, group), fail_ci_high=fail_high, fail_level=fail_level,
-                   family=family)
+        record = (run.summary.get("sequential") or {}).get(name)
+        if record is not None:  # a sequential run: its confidence sequence decides, at this gate's α and margin
+            sequence = sequential.gate_sequence(group, _not_evaluated(run, name), record, margin, cfg.alpha, family)
+            row.update(delta_ci_low=sequence.lower, delta_ci_high=sequence.upper, fail_ci_high=sequence.upper,
+                       interval="sequence", items_total=sequence.n_total)
+        else:
+            codes = stats.paired.cluster_codes(clusters, len(group))
+            row.update(fail_ci_high=stats.score_test(quant - ref, codes).interval(fail_level)[1], interval="score")
+        row.update(slice=name, chance=slice_chance(cfg, name, group), fail_level=fail_level, family=family)
         out.append(_accuracy_decision(row, cfg, correction))
     return out
+
+
+def _not_evaluated(run: RunResults, slice_name: str) -> pd.DataFrame | None:
+    """The items a sequential run did not need in ``slice_name`` (not_evaluated.parquet), or None."""
+    path = run.directory / "not_evaluated.parquet"
+    if not path.exists():
+        return None
+    try:
+        frame = pd.read_parquet(path)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same bad input
+        raise GateInputError(f"{path} is unreadable ({type(exc).__name__}); rerun the job with force=true") from None
+    return frame[frame["slice"] == slice_name]
 
 
 def _accuracy_decision(row: dict[str, Any], cfg: GateConfig, correction: str) -> Criterion:
@@ -346,12 +363,14 @@ def _accuracy_decision(row: dict[str, Any], cfg: GateConfig, correction: str) ->
         reasons = [f"non-inferiority not shown: lower bound {100 * low:+.1f} pt <= -{100 * margin:.1f} pt"]
         if fail_high >= -margin and high < 0:
             reasons.append("a drop is shown, its size against the margin is not")
-        if row["mde"] > margin:
+        if row["mde"] > margin and row.get("interval") != "sequence":
             reasons.append(f"MDE {row['mde']:.3f} exceeds the margin {margin:.3f}")
     # More items settle it unless Δ̂ is at/beyond the margin, the reference is at the floor, or clusters are few.
-    settleable = bool(row["settleable"])
+    settleable = bool(row["settleable"]) and row.get("interval") != "sequence"  # a sequence used what it had
     settles = outcome == INCONCLUSIVE and settleable and headroom >= cfg.min_headroom and clusters >= cfg.min_clusters
-    if outcome == INCONCLUSIVE and not settleable and not any(r.startswith("too few") for r in reasons):
+    if outcome == INCONCLUSIVE and row.get("interval") == "sequence" and not any(r.startswith("too few") for r in reasons):
+        reasons.append(f"the confidence sequence did not settle on the slice's {row['items_total']} items")
+    elif outcome == INCONCLUSIVE and not settleable and not any(r.startswith("too few") for r in reasons):
         reasons.append(f"cannot be settled by more items: Δ̂ {100 * row['delta']:+.1f} pt is at or beyond the margin")
     numbers = {key: _plain(row[key]) for key in ("n", "n_clusters", "acc_ref", "acc_quant", "delta", "delta_ci_low",
                                                  "delta_ci_high", "delta_se", "delta_p", "design_effect",
@@ -360,10 +379,18 @@ def _accuracy_decision(row: dict[str, Any], cfg: GateConfig, correction: str) ->
     numbers.update({"margin": margin, "alpha": cfg.alpha, "ci_level": 1 - 2 * cfg.alpha, "correction": correction,
                     "family": family, "chance": row["chance"], "headroom": headroom, "settleable": settleable,
                     "n_needed": _plain(row["n_needed"]) if settles else None})
-    message = (f"{outcome}: delta {100 * row['delta']:+.1f} pt, {level:.4g} % CI [{100 * low:+.1f}, {100 * high:+.1f}] "
+    interval = (f"confidence sequence: lower bound (level {cfg.alpha:g}) {100 * low:+.1f} pt" if row.get("interval") == "sequence"
+                else f"{level:.4g} % CI [{100 * low:+.1f}, {100 * high:+.1f}]")
+    if row.get("interval") == "sequence":
+        adjusted = adjusted.replace("upper bound", "sequence upper bound")
+        numbers["items_total"] = int(row["items_total"])
+        numbers["interval"] = "sequence"
+    message = (f"{outcome}: delta {100 * row['delta']:+.1f} pt, {interval} "
                f"vs margin -{100 * margin:.1f} pt ({adjusted} {100 * fail_high:+.1f}); acc_ref {row['acc_ref']:.3f}, "
-               f"n={n}, clusters={clusters}, non-inferiority p={_fmt(row['noninferiority_p'], '.3g')}, "
-               f"MDE {100 * row['mde']:.1f} pt"
+               + (f"n={n} of {row['items_total']} (sequential), clusters={clusters}"
+                  if row.get("interval") == "sequence" else
+                  f"n={n}, clusters={clusters}, non-inferiority p={_fmt(row['noninferiority_p'], '.3g')}, "
+                  f"MDE {100 * row['mde']:.1f} pt")
                + (f", n_needed={numbers['n_needed']} (80 % power if the true delta were 0)" if settles else "")
                + ("; " + "; ".join(reasons) if reasons else ""))
     return Criterion(str(row["slice"]), "accuracy_noninferiority", outcome, message, reasons, numbers)
@@ -465,10 +492,16 @@ def table(decision: GateDecision) -> pd.DataFrame:
         for c in run.criteria:
             x = c.numbers
             if c.criterion == "accuracy_noninferiority":
-                detail = (f"Δ {100 * x['delta']:+.1f} [{100 * x['delta_ci_low']:+.1f}, {100 * x['delta_ci_high']:+.1f}] "
-                          f"({100 * x['ci_level']:.4g} %) m {100 * x['margin']:.1f}")
+                if x.get("interval") == "sequence":  # a sequential run: items used of the slice's, the sequence's bounds
+                    detail = (f"Δ {100 * x['delta']:+.1f} seq [{100 * x['delta_ci_low']:+.1f}, "
+                              f"{100 * x['delta_ci_high']:+.1f}] m {100 * x['margin']:.1f}; "
+                              f"{x['n']}/{x['items_total']} items")
+                else:
+                    detail = (f"Δ {100 * x['delta']:+.1f} [{100 * x['delta_ci_low']:+.1f}, {100 * x['delta_ci_high']:+.1f}] "
+                              f"({100 * x['ci_level']:.4g} %) m {100 * x['margin']:.1f}")
                 n_needed = x["n_needed"] if x["n_needed"] is not None else \
-                    ("not by more items" if not x["settleable"] and c.outcome == INCONCLUSIVE else "")
+                    ("not by more items" if not x["settleable"] and c.outcome == INCONCLUSIVE
+                     and x.get("interval") != "sequence" else "")
                 rows.append({"run": run.run_name, "slice": c.slice, "criterion": "accuracy", "outcome": c.outcome,
                              "n": x["n"], "acc_ref": round(x["acc_ref"], 3), "detail": detail,
                              "fail bound": f"{100 * x['fail_ci_high']:+.1f}", "p_ni": _fmt(x["noninferiority_p"], ".3g"),

@@ -86,7 +86,8 @@ def reference_key(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig) -> 
                 "divergence_max_tokens": cfg.eval.divergence_max_tokens, "store": cfg.eval.reference_store,
                 "topk": cfg.eval.reference_topk, **({"backend": cfg.eval.backend} if cfg.eval.backend != "hf" else {}),
                 "generator": cfg.eval.generator,
-                "lm_eval": _version("lm_eval"), "transformers": _version("transformers"), "device": cfg.model.device}
+                "lm_eval": _version("lm_eval"), "transformers": _version("transformers"), "device": cfg.model.device,
+                "records": 2}  # 2: records carry each item's doc_id (sequential rounds select items by it)
     if served_format(slice_, cfg):  # its divergence texts are its items' prompts + this reference's replies
         settings["divergence"] = SERVED_FORMAT
     return stable_hash({"model": loaded.identity, "slice": slice_identity(slice_), "settings": settings}, 24)
@@ -102,6 +103,12 @@ def run_key(cfg: RunConfig, model_identity: dict | None = None) -> str:
     data = config_dict(cfg)
     for transient in TRANSIENT_SECTIONS:
         data.pop(transient, None)
+    if cfg.eval.sequential:  # where a slice stops depends on the gate's level and margins
+        data["sequential_stop"] = {"alpha": cfg.gate.alpha, "margin": cfg.gate.margin, "margins": dict(cfg.gate.margins),
+                                   "slices": list(cfg.gate.slices), "correction": cfg.gate.correction}
+    else:  # keys of runs from before the option existed stay the same
+        data["eval"].pop("sequential", None)
+        data["eval"].pop("sequential_round_items", None)
     return stable_hash({"config": data, "model": model_identity}, 16)
 
 

@@ -118,6 +118,7 @@ class _ItemCounter:
         self.done = 0
         self.pending: dict[tuple, collections.deque] = collections.defaultdict(collections.deque)
         self.remaining: collections.Counter = collections.Counter()
+        self.offset, self.planned = 0, None  # items done by earlier calls, items planned (lm_eval_requests)
 
     @staticmethod
     def key(method: str, args: Any) -> tuple:
@@ -151,6 +152,8 @@ class _ItemCounter:
     def report(self, finished: bool = False) -> None:
         total = max(self.total, self.done + len(self.remaining))
         done = total if finished else self.done  # items answered from a checkpoint count at the end
+        if self.planned is not None:
+            done, total = self.offset + done, max(int(self.planned), self.offset + total)
         self.reporter.items(self.side, self.slice, done, total, self.tokens())
 
 
@@ -257,9 +260,11 @@ def token_source(count: Callable[[], int]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def lm_eval_requests(lm: Any, slice_name: str) -> Iterator[None]:
+def lm_eval_requests(lm: Any, slice_name: str, done_before: int = 0, planned: int | None = None) -> Iterator[None]:
     """While lm-eval evaluates ``slice_name`` on ``lm``: its items counted to the reporter, its bars quiet.
 
+    ``done_before`` / ``planned``: a call evaluating one round of a slice (harness.sequential)
+    reports the slice's items done so far out of the items it may need, not the round's alone.
     Does nothing without an active reporter (library use keeps lm-eval's own bars).
     """
     reporter = current()
@@ -267,6 +272,7 @@ def lm_eval_requests(lm: Any, slice_name: str) -> Iterator[None]:
         yield
         return
     counter = _ItemCounter(reporter, _side.get(), slice_name, _token_source.get())
+    counter.offset, counter.planned = int(done_before), planned
     with _quiet_lm_eval_bars(counter.built), _counted_requests(lm, counter):
         yield
     counter.report(finished=True)

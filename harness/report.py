@@ -43,7 +43,22 @@ def print_comparison(comparison: Comparison, result: dict) -> None:
     print(f"{result['model']}  ·  {result['scheme']} ({num(quant.get('bits_per_weight'), '.3f')} bits/weight)  "
           f"vs  unquantized reference")
     print(table.to_string(index=False))
+    for line in sequential_lines(result):
+        print(line)
     print()
+
+
+def sequential_lines(result: dict) -> list[str]:
+    """Where each slice of a sequential run (eval.sequential) stopped and why; [] for a full run."""
+    records = result.get("sequential") or {}
+    if not records:
+        return []
+    from harness.sequential import fraction_saved, items_line
+    lines = [f"sequential (eval.sequential=true): {100 * fraction_saved(records):.0f} % of the candidate's items not "
+             "needed; the table's intervals are fixed-sample on the items answered, the gate reads the confidence "
+             "sequence"]
+    lines += [f"  {name}: {items_line(record)}" for name, record in records.items()]
+    return lines
 
 
 def markdown(comparison: Comparison, result: dict, kl_plot: str | None = None) -> str:
@@ -58,12 +73,27 @@ def markdown(comparison: Comparison, result: dict, kl_plot: str | None = None) -
         f"# {result['run_name']}", "",
         f"Scheme `{result['scheme']}` ({result.get('method', '')}) on `{result['model']}`; run key `{result['run_key']}`.",
         "", side_by_side(comparison).to_markdown(index=False), "",
+        *([*sequential_markdown(result), "", "![sequence](sequence.png)", ""] if result.get("sequential") else []),
         "## Sub-slices", "", sub[sub_cols].to_markdown(index=False, floatfmt=".3f"), "",
         "## Generation divergence", "", comparison.generation.to_markdown(index=False, floatfmt=".3f"), "",
         "## KL by position", "", KL_BY_POSITION_NOTE, "", _markdown_or_none(kl_by_position(comparison)), "",
         *([f"![KL by position]({kl_plot})", ""] if kl_plot else []),
         f"Timings: {timings}", "",
     ])
+
+
+def sequential_markdown(result: dict) -> list[str]:
+    """report.md's section of a sequential run: per slice the items used, the stop and the sequence."""
+    rows = [{"slice": name, "items used": f"{r['items_used']}/{r['items_total']}",
+             "clusters used": f"{r['clusters_used']}/{r['clusters_total']}",
+             "round": f"{r['rounds_used']}/{r['rounds_total']}", "state": r["state"], "why": r["reason"],
+             "Δ̂": f"{100 * r['delta']:+.1f} pt", "lower (α)": f"{100 * r['lower']:+.1f} pt",
+             "upper (α/k)": f"{100 * r['upper']:+.1f} pt"} for name, r in result["sequential"].items()]
+    return ["## Sequential evaluation", "",
+            "The candidate answered each slice in rounds of whole clusters and stopped once the slice's "
+            "confidence sequence settled the gate's decision (harness.sequential); items not needed are listed "
+            "in not_evaluated.parquet, not scored. The intervals above are fixed-sample, on the items answered.",
+            "", pd.DataFrame(rows).to_markdown(index=False)]
 
 
 KL_BY_POSITION_NOTE = ("Token divergence per slice by the scored token's position in its text (eval.position_buckets): "
@@ -112,6 +142,39 @@ def kl_by_position(comparison: Comparison) -> pd.DataFrame:
 
 def _markdown_or_none(table: pd.DataFrame) -> str:
     return table.to_markdown(index=False) if len(table) else "(no per-position token statistics in this run)"
+
+
+def plot_sequence(records: dict, path: Path | str, *, title: str | None = None) -> Path | None:
+    """PNG of a sequential run: per slice, Δ̂ and the confidence sequence's bounds (lower at α, upper at
+    α/k) against the items answered, with the margin -m; None (nothing written) without records."""
+    if not records:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(records), figsize=(3.2 * len(records) + 0.8, 3.4), squeeze=False, sharey=True)
+    for ax, (name, record) in zip(axes[0], records.items()):
+        points = record["trajectory"]
+        x = [pt["items"] for pt in points]
+        ax.fill_between(x, [100 * pt["lower"] for pt in points], [100 * pt["upper"] for pt in points], alpha=0.25,
+                        step="post", label="sequence")
+        ax.plot(x, [100 * pt["delta"] for pt in points], marker="o", label="Δ̂")
+        ax.axhline(-100 * record["margin"], color="crimson", linestyle="--", label="-margin")
+        ax.axhline(0, color="grey", linewidth=0.6)
+        ax.set_xlim(0, record["items_total"])
+        ax.set_ylim(-30, 15)
+        ax.set_title(f"{name}: {record['state']} at {record['items_used']}/{record['items_total']}", fontsize=9)
+        ax.set_xlabel("items answered")
+    axes[0][0].set_ylabel("Δ accuracy (pt)")
+    axes[0][0].legend(fontsize=7, loc="lower left")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
 
 
 def plot_kl_by_position(comparison: Comparison, path: Path | str, *, title: str | None = None) -> Path | None:

@@ -26,6 +26,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from harness import (background_reference, candidate, cli, devices, divergence, evaluate, gate, joblog, ledger,
+                     sequential,
                      longgen, models, placement, progress, quant, report, resources, summary, sweep, tracking)
 from harness.cache import Cache, atomic_write_json, atomic_write_text, check_cache_dir
 from harness.config import RunConfig
@@ -84,6 +85,8 @@ class Evaluated:
     aggregates: dict[str, float]
     restored: dict[str, int]  # requests read back from an interrupted attempt's checkpoint
     requests: dict[str, int]
+    sequential: dict[str, dict] = field(default_factory=dict)  # eval.sequential: per slice, where it stopped and why
+    placement: pd.DataFrame | None = None  # eval.sequential: item_id, seq_round, seq_order of the answered items
 
 
 def job_config(cfg: DictConfig | RunConfig) -> RunConfig:
@@ -140,7 +143,14 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
             candidate_params = {}
             quant_report = quant.apply(loaded.model, cfg.quant, _quant_context(loaded, cfg, cache))
     with timings.stage("evaluate"):
-        evaluated = evaluate_quantized(loaded, checked.slices, cfg, checkpoint)
+        if cfg.eval.sequential:  # rounds need each slice's reference first: a deferred one is waited for
+            evaluated = evaluate_sequentially(loaded, checked.slices, cfg, checkpoint, references,
+                                              lambda s: deferred_references(loaded, [s], cfg, cache)[s.name])
+            deferred_done = {s.name for s in deferred}
+        else:
+            evaluated = evaluate_quantized(loaded, checked.slices, cfg, checkpoint)
+            deferred_done = set()
+    deferred = [s for s in deferred if s.name not in deferred_done]
     if deferred:
         # the child's thread count: a reference computed here after the child died matches the divergence stage
         with timings.stage("reference_wait"), progress.side("reference"), \
@@ -159,9 +169,18 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
                             for s in checked.slices], ignore_index=True)
 
     reference_records = pd.concat([r.records for r in references.values()], ignore_index=True)
+    not_evaluated = None
+    if cfg.eval.sequential:  # the statistics compare the items both answered; the rest are listed, not scored
+        answered = set(evaluated.records["item_id"])
+        not_evaluated = sequential.not_evaluated_frame(reference_records, answered)
+        reference_records = reference_records[reference_records["item_id"].isin(answered)].reset_index(drop=True)
     items = summary.pair_items(reference_records, evaluated.records)
+    if evaluated.placement is not None:
+        items = items.merge(evaluated.placement, on="item_id", how="left")
     with timings.stage("write"):  # before any statistics: a failure there never loses the evaluation
         write_records(results_dir, cfg, items, tokens, quant_report)
+        if not_evaluated is not None:
+            _write_parquet(not_evaluated, results_dir / "not_evaluated.parquet")
     comparison = summary.build(reference_records, evaluated.records, tokens, cfg.compare,
                                list(cfg.eval.position_buckets),
                                lambda text: loaded.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -171,6 +190,8 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     result["runtime"] = runtime
     result["candidate"] = candidate_params
     result["reference_deferred"] = [s.name for s in deferred]  # read after evaluating: another job computed it
+    if cfg.eval.sequential:
+        result["sequential"] = evaluated.sequential
     long_generation = longgen.for_run(items, loaded.tokenizer)
     if long_generation is not None:
         result["long_generation"] = long_generation.summary
@@ -201,6 +222,7 @@ def preflight(cfg: RunConfig) -> Preflight:
     quant.validate_scheme(cfg.quant)
     check_format(cfg.quant.calibration, cfg.model.chat_template, cfg.model.name)
     check_backend(cfg)
+    sequential.check_config(cfg, slices)
     models.check_available(cfg.model)
     uri = tracking.resolve_uri(cfg.tracking.uri)
     shared = sweep.shared_store_warning(uri, sweep.hydra_launcher()) if cfg.tracking.enabled else None
@@ -244,6 +266,32 @@ def evaluate_quantized(loaded: models.LoadedModel, slices: list[Slice], cfg: Run
         records.append(frame)
         aggregates.update(agg)
     return Evaluated(pd.concat(records, ignore_index=True), aggregates, restored, requests)
+
+
+def evaluate_sequentially(loaded: models.LoadedModel, slices: list[Slice], cfg: RunConfig, checkpoint: Path,
+                          references: dict[str, SliceReference], wait_reference) -> Evaluated:
+    """``eval.sequential``: each slice in rounds until settled (harness.sequential). Slices whose reference
+    is ready go first; a reference another process is computing is waited for (``wait_reference``)
+    right before its slice, and added to ``references``."""
+    settings = eval_settings(cfg, tokenizer_dir(loaded))
+    lm = evaluate.make_lm(loaded.model, loaded.tokenizer, settings, checkpoint=cfg.candidate.path)
+    rule = sequential.stop_rule(cfg, [s.name for s in slices])
+    records, aggregates, restored, requests, stops, placements = [], {}, {}, {}, {}, []
+    for slice_ in sorted(slices, key=lambda s: s.name not in references):
+        if slice_.name not in references:
+            references[slice_.name] = wait_reference(slice_)
+        restored[slice_.name] = evaluate.checkpoint_rows(checkpoint / slice_.name)
+        frame, agg, stops[slice_.name], placed = sequential.evaluate_sequential(
+            lm, slice_, settings, checkpoint / slice_.name, references[slice_.name].records, rule, cfg.eval.seed,
+            cfg.eval.sequential_round_items)
+        requests[slice_.name] = evaluate.checkpoint_rows(checkpoint / slice_.name)
+        records.append(frame)
+        placements.append(placed)
+        aggregates.update(agg)
+        progress.current().note("quantized", slice_.name, sequential.items_line(stops[slice_.name]))
+    order = [s.name for s in slices]
+    return Evaluated(pd.concat(records, ignore_index=True), aggregates, restored, requests,
+                     {name: stops[name] for name in order}, pd.concat(placements, ignore_index=True))
 
 
 def summary_record(cfg: RunConfig, key: str, comparison: summary.Comparison, quant_report: quant.QuantReport,
@@ -309,6 +357,8 @@ def write_analysis(directory: Path, cfg: RunConfig, comparison: summary.Comparis
     decode_floor(quant_report, cfg).to_csv(directory / "decode_floor.csv", index=False)
     kl_plot = report.plot_kl_by_position(comparison, directory / "kl_by_position.png",
                                          title=f"{cfg.model.name} · {cfg.quant.name}: KL(ref‖quant) by position")
+    report.plot_sequence(result.get("sequential") or {}, directory / "sequence.png",
+                         title=f"{cfg.model.name} · {cfg.quant.name}: sequential evaluation")
     markdown = report.markdown(comparison, result, kl_plot=kl_plot.name if kl_plot else None)
     capacity_ledger.write_csv(directory / "ledger.csv")
     markdown += "\n" + capacity_ledger.markdown()

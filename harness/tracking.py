@@ -163,6 +163,10 @@ def run_description(result_dir: Path, summary: Mapping[str, Any]) -> str:
     gate_path = result_dir / "gate.json"
     gate = gate_markdown(json.loads(gate_path.read_text())) if gate_path.exists() else ""
     foot = "Details under Artifacts: report.md (sub-slices, generation, KL by position), job.log (every message)."
+    from harness.report import sequential_lines
+    stops = sequential_lines(dict(summary))  # a sequential run: where each slice stopped and why
+    if stops:
+        head += "\n\n" + "\n".join(f"- {line.strip()}" for line in stops)
     parts = [head, table, gate, foot]
     text = "\n\n".join(p for p in parts if p)
     while len(text) > MAX_NOTE_CHARS and (gate or table):
@@ -403,7 +407,13 @@ def _log_results(result_dir: str | os.PathLike, *, uri: str, experiment: str,
         from harness.resources import flat_metrics
         metrics.update(flat_metrics(summary))  # peak memory and tokens/s per stage
         stamp = end_ms if end_ms is not None else int(time.time() * 1000)
-        rows = [Metric(k, v, stamp, 0) for k, v in metrics.items()]
+        rows = []
+        for name, record in (summary.get("sequential") or {}).items():  # eval.sequential: the stop and the path
+            metrics.update({f"{name}/sequential_{key}": float(record[key])
+                            for key in ("items_used", "items_total", "clusters_used", "rounds_used")})
+            rows += [Metric(f"{name}/sequence_{key}", float(point[key]), stamp, int(point["items"]))
+                     for point in record["trajectory"] for key in ("delta", "lower", "upper")]  # step = items used
+        rows += [Metric(k, v, stamp, 0) for k, v in metrics.items()]
         for begin in range(0, len(params), 100):
             client.log_batch(run_id, params=params[begin:begin + 100])
         for begin in range(0, len(rows), 1000):

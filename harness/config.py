@@ -238,6 +238,9 @@ class GateConfig:
     correction: Optional[str] = None  # holm | bh | none across the run's gated slices; None: compare.correction
     min_items: int = 30  # fewer items: inconclusive (a t-test on a handful of items is not a decision)
     min_clusters: int = 5  # fewer clusters: inconclusive (the clustered SE needs several clusters)
+    # A slice of multi-item clusters passes only with this many clusters: with fewer, the score test's measured
+    # false-pass rate at the margin exceeds α (benchmarks/bench_gate_oc.py; README "Deciding to ship"). 0: off.
+    min_clusters_pass: int = 20
     # Reference accuracy minus chance below this: inconclusive (a slice the reference mostly gets wrong
     # cannot show a loss). Chance is gate.chance[slice], else mc_chance per multiple-choice item, 0 generative.
     min_headroom: float = 0.10

@@ -263,3 +263,23 @@ def test_gate_on_a_real_tiny_random_run_reproduces_its_statistics(make_cfg, tmp_
     root = ET.parse(directory / "gate.xml").getroot()
     assert root.get("tests") == str(len(default.runs[0].criteria))
     assert json.loads((directory / "gate.json").read_text())["exit_code"] == default.exit_code
+
+
+def test_a_clustered_pass_needs_min_clusters_pass_clusters(tmp_path):
+    """400 items, no flips: non-inferior on the interval whatever the clustering. In 12 clusters of
+    multi-item sources it is held inconclusive (the measured false-pass rate exceeds α there), in
+    25 clusters it passes, and gate.min_clusters_pass=0 lifts the minimum."""
+    items = pd.concat([
+        slice_items("twelve", *scores(400, 320, 0, 0), clusters=np.arange(400) % 12),
+        slice_items("twentyfive", *scores(400, 320, 0, 0), clusters=np.arange(400) % 25),
+        slice_items("singletons", *scores(400, 320, 0, 0)),
+    ])
+    run = write_run(tmp_path / "run", items)
+    decision = gate.gate_results(run, GateConfig())
+    twelve = outcome_of(decision, "twelve")
+    assert twelve.outcome == gate.INCONCLUSIVE and twelve.numbers["delta_ci_low"] > -0.02
+    assert "gate.min_clusters_pass" in twelve.message and "12 of 400 items" in twelve.message
+    assert outcome_of(decision, "twentyfive").outcome == gate.PASS
+    assert outcome_of(decision, "singletons").outcome == gate.PASS
+    lifted = gate.gate_results(run, GateConfig(min_clusters_pass=0))
+    assert outcome_of(lifted, "twelve").outcome == gate.PASS

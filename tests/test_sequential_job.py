@@ -197,3 +197,42 @@ def test_a_sequential_job_writes_what_it_used_and_the_gate_reads_its_sequence(ma
     assert numbers["delta_ci_low"] == pytest.approx(record["lower"])
     assert "## Sequential evaluation" in (directory / "report.md").read_text()
     assert (directory / "sequence.png").stat().st_size > 0
+
+
+def test_a_resumed_sequential_slice_replays_its_rounds_and_reaches_the_same_stop(make_cfg, tmp_path) -> None:
+    """The rounds share the run's request checkpoint: with a third of its rows forgotten (a killed job),
+    the same slice computes only those and gives the same records, stop and trajectory."""
+    import contextlib
+    import sqlite3
+
+    from harness import models
+    from harness.reference_stage import compute_reference
+    from harness.cache import Cache
+    cfg = identity.to_config(make_cfg(*TINY_SEQ, "quant=none", "eval.batch_size=1", "gate.margin=0.4"))
+    loaded = models.load(cfg.model, cfg.paths.cache_dir)
+    slice_ = resolve(cfg.slices)[0]
+    reference = compute_reference(loaded, slice_, cfg, Cache(cfg.paths.cache_dir)).records
+    settings = identity.eval_settings(cfg, None)
+    rule = sequential.stop_rule(cfg, [slice_.name])
+    prefix = tmp_path / "checkpoint" / "math"
+
+    def once(lm):
+        return sequential.evaluate_sequential(lm, slice_, settings, prefix, reference, rule, cfg.eval.seed,
+                                              cfg.eval.sequential_round_items)
+
+    first = once(evaluate.make_lm(loaded.model, loaded.tokenizer, settings))
+    total = evaluate.checkpoint_rows(prefix)
+    with contextlib.closing(sqlite3.connect(evaluate.checkpoint_files(prefix)[0])) as db:
+        db.execute("DELETE FROM unnamed WHERE rowid % 3 = 0")
+        db.commit()
+    kept = evaluate.checkpoint_rows(prefix)
+    lm = evaluate.make_lm(loaded.model, loaded.tokenizer, settings)
+    computed: list[int] = []
+    for name in ("loglikelihood", "generate_until"):
+        original = getattr(lm, name)
+        setattr(lm, name, lambda requests, _original=original: (computed.append(len(requests)), _original(requests))[1])
+    second = once(lm)
+    assert 0 < kept < total and sum(computed) == total - kept
+    pd.testing.assert_frame_equal(first[0], second[0])
+    assert first[2] == second[2]  # the same stop, reason and trajectory
+    pd.testing.assert_frame_equal(first[3], second[3])

@@ -321,7 +321,7 @@ def accuracy_criteria(run: RunResults, cfg: GateConfig) -> list[Criterion]:
         if record is not None:  # a sequential run: its confidence sequence decides, at this gate's α and margin
             sequence = sequential.gate_sequence(group, _not_evaluated(run, name), record, margin, cfg.alpha, family)
             row.update(delta_ci_low=sequence.lower, delta_ci_high=sequence.upper, fail_ci_high=sequence.upper,
-                       interval="sequence", items_total=sequence.n_total)
+                       interval="sequence", items_total=sequence.n_total, method=record.get("method", "betting"))
         else:
             codes = stats.paired.cluster_codes(clusters, len(group))
             row.update(fail_ci_high=stats.score_test(quant - ref, codes).interval(fail_level)[1], interval="score")

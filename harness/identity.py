@@ -109,6 +109,7 @@ def run_key(cfg: RunConfig, model_identity: dict | None = None) -> str:
     else:  # keys of runs from before the option existed stay the same
         data["eval"].pop("sequential", None)
         data["eval"].pop("sequential_round_items", None)
+        data["eval"].pop("sequential_method", None)
     return stable_hash({"config": data, "model": model_identity}, 16)
 
 

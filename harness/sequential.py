@@ -64,6 +64,7 @@ class StopRule:
     margins: dict[str, float]
     min_items: int
     min_clusters: int
+    method: str = "betting"  # eval.sequential_method
 
 
 def stop_rule(cfg: RunConfig, slice_names: list[str]) -> StopRule:
@@ -73,13 +74,29 @@ def stop_rule(cfg: RunConfig, slice_names: list[str]) -> StopRule:
     family = 1 if correction == "none" else max(1, len(gated))
     default = cfg.gate.margin if cfg.gate.margin is not None else cfg.compare.margin
     margins = {name: float(cfg.gate.margins.get(name, default)) for name in slice_names}
-    return StopRule(float(cfg.gate.alpha), family, margins, int(cfg.gate.min_items), int(cfg.gate.min_clusters))
+    return StopRule(float(cfg.gate.alpha), family, margins, int(cfg.gate.min_items), int(cfg.gate.min_clusters),
+                    cfg.eval.sequential_method)
+
+
+METHODS = ("betting", "spending")
+
+
+def method_test(method: str):
+    """The sequential test of ``method`` (same signature and result): betting confidence sequence or
+    alpha-spending on the score test (:mod:`harness.stats.sequential`, :mod:`harness.stats.group_sequential`)."""
+    if method == "betting":
+        return seqstats.sequential_test
+    if method == "spending":
+        from harness.stats.group_sequential import spending_test
+        return spending_test
+    raise SequentialConfigError(f"eval.sequential_method={method!r} is unknown; use one of {list(METHODS)}")
 
 
 def check_config(cfg: RunConfig, slices: list[Slice]) -> None:
     """Refuse, before any model is loaded, what a sequential evaluation cannot do."""
     if not cfg.eval.sequential:
         return
+    method_test(cfg.eval.sequential_method)
     if cfg.eval.sequential_round_items is not None and cfg.eval.sequential_round_items < 1:
         raise SequentialConfigError(f"eval.sequential_round_items={cfg.eval.sequential_round_items} must be >= 1 "
                                     "(or null: about 1/8 of each slice)")
@@ -181,9 +198,9 @@ def evaluate_sequential(lm: Any, slice_: Slice, settings: evaluate.EvalSettings,
                                              progress_offset=(len(answered), len(ref_records)))
         _check_prompts(ref_records, records, slice_.name)
         answered = pd.concat([answered, records], ignore_index=True)
-        result = seqstats.sequential_test(_diffs(ref_records, answered), plan.codes, margin, alpha=rule.alpha,
-                                          family=rule.family, seed=plan.seed, round_items=plan.round_items,
-                                          stop=False)  # the sequence at this round (settled stays settled)
+        result = method_test(rule.method)(_diffs(ref_records, answered), plan.codes, margin, alpha=rule.alpha,
+                                       family=rule.family, seed=plan.seed, round_items=plan.round_items,
+                                       stop=False)  # the sequence at this round
         trajectory.append({"round": index + 1, "items": result.n, "clusters": result.n_clusters,
                            "delta": result.estimate, "lower": result.lower, "upper": result.upper})
         big_enough = result.n >= rule.min_items and result.n_clusters >= rule.min_clusters
@@ -201,7 +218,7 @@ def evaluate_sequential(lm: Any, slice_: Slice, settings: evaluate.EvalSettings,
         "items_total": int(len(ref_records)), "items_used": int(result.n),
         "clusters_total": len(plan.labels), "clusters_used": int(result.n_clusters),
         "rounds_total": len(plan.rounds), "rounds_used": stopped, "state": result.state, "reason": reason,
-        "margin": margin, "alpha": rule.alpha, "family": rule.family, "seed": plan.seed,
+        "method": rule.method, "margin": margin, "alpha": rule.alpha, "family": rule.family, "seed": plan.seed,
         "round_items": plan.round_items, "delta": result.estimate, "lower": result.lower, "upper": result.upper,
         "trajectory": trajectory,
     }
@@ -223,8 +240,9 @@ def gate_sequence(items: pd.DataFrame, not_evaluated: pd.DataFrame | None, recor
                          ignore_index=True)
     _, codes = _codes(rows["cluster"])
     diffs = rows["correct_quant"].to_numpy(float) - rows["correct_ref"].to_numpy(float)
-    return seqstats.sequential_test(diffs, codes, margin, alpha=alpha, family=family, seed=int(record["seed"]),
-                                    round_items=int(record["round_items"]), stop=False)
+    return method_test(record.get("method", "betting"))(diffs, codes, margin, alpha=alpha, family=family,
+                                                     seed=int(record["seed"]), round_items=int(record["round_items"]),
+                                                     stop=False)
 
 
 def not_evaluated_frame(ref_records: pd.DataFrame, answered_ids: set[str]) -> pd.DataFrame:

@@ -141,6 +141,7 @@ def test_a_round_prompted_differently_from_the_reference_is_refused(monkeypatch)
 
 @pytest.mark.parametrize("override, message", [
     (["eval.sequential_round_items=0"], "must be >= 1"),
+    (["eval.sequential_method=bayes"], "is unknown"),
     (["eval.backend=vllm"], "eval.backend=hf only"),
     (["gate.alpha=0.6"], r"must lie in \(0, 0.5\)"),
 ])
@@ -162,7 +163,8 @@ def test_registry_slices_with_few_shot_prompts_are_refused(make_cfg) -> None:
 def test_run_key_is_unchanged_by_the_option_off_and_covers_the_stop_rule_on(make_cfg) -> None:
     base = identity.to_config(make_cfg("model=tiny_random"))
     config = identity.config_dict(base)
-    config["eval"].pop("sequential"), config["eval"].pop("sequential_round_items")
+    for key in ("sequential", "sequential_round_items", "sequential_method"):
+        config["eval"].pop(key)
     for transient in identity.TRANSIENT_SECTIONS:
         config.pop(transient, None)
     from harness.cache import stable_hash

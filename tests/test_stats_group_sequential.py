@@ -182,3 +182,31 @@ def test_invalid_input_like_sequential_test():
         gs.spending_test(np.zeros(3), np.array([0, 2, 2]), 0.05)
     with pytest.raises(ValueError):
         gs.spending_test(np.zeros(3), np.zeros(3, dtype=int), 1.5)
+
+
+# ---------------------------------------------------------------- the benchmark's vectorised copy reads the same
+
+def test_bench_sequential_spending_decisions_match_spending_test():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    bench_dir = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench_dir))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_sequential_under_test", bench_dir / "bench_sequential.py")
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(str(bench_dir))
+    rng = np.random.default_rng(21)
+    for n, clusters, rho, margin, delta in [(300, 300, 0.0, 0.05, -0.15), (1000, 20, 0.05, 0.02, -0.1),
+                                            (100, 5, 0.05, 0.05, -0.05), (300, 50, 0.02, 0.05, 0.0)]:
+        reps = 6
+        diffs, codes = bench.simulate(rng, reps, n, clusters, rho, 0.5, *bench.rates(0.5, delta, "both", 0.3), False)
+        order = np.array([gs.cluster_order(codes, seed) for seed in range(reps)])
+        out = bench.spending_decisions(order, diffs, codes, clusters, margin)
+        for i in range(reps):
+            ref = gs.spending_test(diffs[i], codes, margin, family=bench.SLICES, seed=i)
+            assert (out["pass"][i], out["fail"][i]) == (ref.state == "pass", ref.state == "fail")
+            assert out["fraction"][i] == pytest.approx(ref.fraction, abs=1e-12)

@@ -3,10 +3,12 @@
 ``paired``: the per-comparison result (``paired_compare``, ``compare_frame``); ``score``: the one
 inference every claim about Δ comes from (a clustered paired score test and its interval);
 ``verdict``: labels read off that interval; ``sequential``: the anytime-valid (betting
-confidence sequence) verdict of a slice scored in rounds; ``intervals``: Wilson / Newcombe and the clustered
+confidence sequence) verdict of a slice scored in rounds; ``group_sequential``: the same verdict from
+the score test at the rounds' looks with an α-spending function; ``intervals``: Wilson / Newcombe and the clustered
 variance; ``multiple``: Holm / BH adjustment.
 """
 
+from harness.stats.group_sequential import spending_boundaries, spending_test
 from harness.stats.multiple import adjust_pvalues
 from harness.stats.paired import (
     BOOTSTRAP_MIN_CLUSTERS,
@@ -40,4 +42,6 @@ __all__ = [
     "rounds",
     "score_test",
     "sequential_test",
+    "spending_boundaries",
+    "spending_test",
 ]

@@ -207,10 +207,11 @@ class EvalConfig:
     # settles the gate's decision (pass / fail at gate.alpha and the slice's margin); off by default.
     sequential: bool = False
     sequential_round_items: Optional[int] = None  # items per round; None: ~1/8 of the slice, at least 8
-    # betting: a confidence sequence assuming nothing beyond bounded scores and i.i.d. clusters (settles only
-    # slices of many clusters); spending: the clustered score test at the rounds with O'Brien-Fleming-type
-    # alpha-spending (settles clustered slices too, with the score test's few-cluster caveat). README.
-    sequential_method: str = "betting"
+    # spending: the clustered score test at the rounds with O'Brien-Fleming-type alpha-spending (settles clustered
+    # slices too; as trustworthy as the fixed gate, whose few-cluster guard it keeps); betting: a confidence
+    # sequence assuming nothing beyond bounded scores and i.i.d. clusters (settles only slices of many clusters,
+    # e.g. registry tasks whose items are their own clusters). README "Sequential evaluation".
+    sequential_method: str = "spending"
 
 
 @dataclass

@@ -321,7 +321,7 @@ def accuracy_criteria(run: RunResults, cfg: GateConfig) -> list[Criterion]:
         if record is not None:  # a sequential run: its confidence sequence decides, at this gate's α and margin
             sequence = sequential.gate_sequence(group, _not_evaluated(run, name), record, margin, cfg.alpha, family)
             row.update(delta_ci_low=sequence.lower, delta_ci_high=sequence.upper, fail_ci_high=sequence.upper,
-                       interval="sequence", items_total=sequence.n_total, method=record.get("method", "betting"))
+                       interval="sequence", items_total=sequence.n_total, method=record["method"])
         else:
             codes = stats.paired.cluster_codes(clusters, len(group))
             row.update(fail_ci_high=stats.score_test(quant - ref, codes).interval(fail_level)[1], interval="score")
@@ -340,7 +340,7 @@ def _few_clusters_to_pass(row: dict[str, Any], cfg: GateConfig) -> bool:
     """Whether a slice of multi-item clusters has fewer clusters than a pass needs (a sequence read by
     betting assumes nothing of the clusters and is exempt)."""
     clustered = int(row["n_clusters"]) < int(row["n"])
-    betting = row.get("interval") == "sequence" and row.get("method", "betting") == "betting"
+    betting = row.get("interval") == "sequence" and row.get("method") == "betting"
     return clustered and not betting and int(row["n_clusters"]) < cfg.min_clusters_pass
 
 

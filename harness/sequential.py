@@ -1,7 +1,11 @@
 """Sequential evaluation (``eval.sequential=true``): the candidate answers a slice in rounds and stops once settled.
 
-The statistics are :mod:`harness.stats.sequential` (a betting confidence sequence over clusters,
-valid however often it is looked at); this module runs them inside a job:
+The statistics (``eval.sequential_method``) are :mod:`harness.stats.group_sequential` (``spending``,
+the default: the slice's clustered score test at every round against O'Brien–Fleming-type
+α-spending boundaries) or :mod:`harness.stats.sequential` (``betting``: a confidence sequence over
+clusters that assumes nothing but bounded scores and i.i.d. clusters, valid however often it is
+looked at, and for the same reason slow to settle a slice of few clusters). Both take the same
+inputs and rounds and give the same result type; this module runs them inside a job:
 
 1. **The plan** (:func:`plan_slice`), from the reference's records of the slice, before the
    candidate answers anything: the slice's clusters numbered by their sorted labels, a uniform
@@ -11,7 +15,7 @@ valid however often it is looked at); this module runs them inside a job:
    (``samples`` = their document indices, per task) through the run's one request checkpoint, so
    a job killed mid-slice replays its finished rounds from the checkpoint and reaches the same
    decision. After a round the slice's sequence is read with the gate's own rule — pass when the
-   lower bound at ``gate.alpha`` is above -margin, fail when the upper bound at ``gate.alpha / k``
+   (repeated) lower bound at ``gate.alpha`` is above -margin, fail when the upper bound at ``gate.alpha / k``
    (Bonferroni over the k gated slices) is below it — and the slice stops at the first round
    that settles it, once it also has ``gate.min_items`` items and ``gate.min_clusters``
    clusters (the gate would call a smaller slice inconclusive whatever its bounds).
@@ -64,7 +68,7 @@ class StopRule:
     margins: dict[str, float]
     min_items: int
     min_clusters: int
-    method: str = "betting"  # eval.sequential_method
+    method: str = "spending"  # eval.sequential_method
 
 
 def stop_rule(cfg: RunConfig, slice_names: list[str]) -> StopRule:
@@ -240,7 +244,7 @@ def gate_sequence(items: pd.DataFrame, not_evaluated: pd.DataFrame | None, recor
                          ignore_index=True)
     _, codes = _codes(rows["cluster"])
     diffs = rows["correct_quant"].to_numpy(float) - rows["correct_ref"].to_numpy(float)
-    return method_test(record.get("method", "betting"))(diffs, codes, margin, alpha=alpha, family=family,
+    return method_test(record["method"])(diffs, codes, margin, alpha=alpha, family=family,
                                                      seed=int(record["seed"]), round_items=int(record["round_items"]),
                                                      stop=False)
 

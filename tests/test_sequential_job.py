@@ -53,9 +53,9 @@ class _Slice:
     name = "s"
 
 
-def _rule(margin: float, min_items: int = 10, min_clusters: int = 2) -> sequential.StopRule:
+def _rule(margin: float, min_items: int = 10, min_clusters: int = 2, method: str = "betting") -> sequential.StopRule:
     return sequential.StopRule(alpha=0.05, family=1, margins={"s": margin}, min_items=min_items,
-                               min_clusters=min_clusters)
+                               min_clusters=min_clusters, method=method)
 
 
 def _run(monkeypatch, reference, quant_correct, rule, round_items=20, **fake):
@@ -114,6 +114,30 @@ def test_an_unchanged_candidate_passes_a_wide_margin_early(monkeypatch) -> None:
     assert record["items_used"] == expected == len(answered) < 200
     assert expected >= math.ceil(needed / 10) * 10  # never before the bets' cap allows
     assert record["trajectory"][-1]["lower"] > -margin >= record["trajectory"][-2]["lower"]
+
+
+def test_spending_fails_a_clearly_broken_clustered_slice_early(monkeypatch) -> None:
+    """20 sources of 10 items, the candidate loses 4 of every 10 (Δ = -40 pt, margin 2 pt): the score test
+    at the rounds crosses its O'Brien–Fleming boundary before the last round, at a look whose boundary
+    is finite; the gate recomputes the same stop from the answered and the skipped items."""
+    from harness.stats.group_sequential import spending_boundaries
+    reference = _reference(20, 10)
+    lossy = {item: float(i % 10 >= 4) for i, item in enumerate(reference["item_id"])}
+    answered, _, record, _, _ = _run(monkeypatch, reference, lossy, _rule(0.02, method="spending"), round_items=25)
+    assert record["method"] == "spending" and record["state"] == "fail"
+    assert record["rounds_used"] < record["rounds_total"] and record["items_used"] < 200
+    # the stop is the first round whose score test crosses the boundary at that round's information fraction
+    plan = sequential.plan_slice(reference, "s", 7, 25)
+    items = np.array([trajectory["items"] for trajectory in record["trajectory"]])
+    fractions = np.cumsum([np.isin(plan.codes, part).sum() for part in plan.rounds]) / 200
+    bounds = spending_boundaries(fractions, 0.05)
+    assert np.isfinite(bounds[record["rounds_used"] - 1])
+    assert items[-1] == record["items_used"] == len(answered)
+    items_frame = reference[reference["item_id"].isin(answered["item_id"])].rename(columns={"correct": "correct_ref"})
+    items_frame["correct_quant"] = items_frame["item_id"].map(lossy)
+    skipped = sequential.not_evaluated_frame(reference, set(answered["item_id"]))
+    again = sequential.gate_sequence(items_frame, skipped, record, 0.02, 0.05, 1)
+    assert (again.state, again.n, again.upper) == pytest.approx(("fail", record["items_used"], record["upper"]))
 
 
 def test_a_slice_that_never_settles_uses_every_item_and_says_so(monkeypatch) -> None:

@@ -1,7 +1,7 @@
 """Operating characteristics of the sequential (anytime-valid) gate, beside the fixed-sample one, by simulation.
 
-``python benchmarks/bench_sequential.py [--reps 1000] [--quick] [--out benchmarks/results/sequential.json]
-[--table JSON] [--plot PNG]``
+``python benchmarks/bench_sequential.py [--reps 1000] [--quick] [--method betting|spending|both]
+[--out benchmarks/results/sequential.json] [--table JSON] [--plot PNG]``
 
 The designs, data and true Δ are those of ``benchmarks/bench_gate_oc.py`` (its ``grid``, ``rates`` and
 ``simulate``: n 30-2,000, every item its own cluster or 5-50 clusters with intra-cluster correlation,
@@ -14,6 +14,14 @@ when the items run out ("open" = inconclusive). The decision at a look is read f
 the margin (``log_capital``, bets tuned to the slice's G as ``sequential_test`` does; equivalent to the bounds, tested in ``tests/test_stats_sequential.py``),
 so no bisection is needed per data set. Beside it, the fixed-sample gate on all n items
 (``bench_gate_oc.decisions``: the clustered score test's pass and Bonferroni fail).
+
+``--method spending`` (or ``both``, the default) adds the group-sequential score test of
+:mod:`harness.stats.group_sequential` on the same data sets and in the same cluster order: at every
+look the score test on the clusters scored so far (vectorised over data sets: ``look_statistics``,
+built from ``harness.stats.score.score_z`` and ``effective_clusters`` as ``decisions`` is), pass when
+Z(-m) exceeds the t quantile at the look's nominal level of Lan–DeMets O'Brien–Fleming-type spending
+at α, fail when it falls below the one at α/5; checked data set by data set against ``spending_test``
+in ``tests/test_stats_group_sequential.py``. Its keys in the rows are prefixed ``spending_``.
 
 Per design, at true Δ = 0, -m/2, -m, -2m, -5m (where the flip pattern can produce it): the pass
 rate, the fail rate and the mean fraction of the slice's items scored, sequential and fixed (the

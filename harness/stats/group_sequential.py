@@ -43,7 +43,7 @@ exact normal tails, Σ_i m_i (1 - Φ((b_k - u_i)/σ_k)), and b_k is its root (Br
 1e-5 and costs a K-dimensional integral per root-finding step; the recursion is deterministic,
 smooth in c_k, linear in K and stays exact for looks however close together (cell masses from normal
 cdf differences, not density values, so a narrow increment cannot fall between grid points). It
-costs a few ms per look (10 looks: < 0.1 s) and reproduces published boundaries to 4 decimals
+costs a few ms per look (10 looks: < 0.1 s) and reproduces published boundaries to 3 decimals
 (``tests/test_stats_group_sequential.py``). When α(t_k) - α(t_{k-1}) is below ~1e-15 the look
 cannot reject: c_k = +inf (nominal level 0).
 
@@ -69,22 +69,25 @@ clusters and an intra-cluster correlation of 0.05-0.2) — and repeat it at ever
 betting CS, which is valid without assumptions and so never settles a 10-cluster slice early, this
 test is exactly as trustworthy as the fixed gate, no more.
 
-The cost, measured (``benchmarks/bench_sequential.py --method both``; ``benchmarks/results/sequential.md``,
-the designs of ``bench_gate_oc``, rounds of ~1/8 of the slice, fail at α/5). Against betting: on
-clustered slices (5-50 clusters) it is the only one of the two that stops early at all — a drop of
-5m fails after a median 64 % of the items with 50 clusters and 89 % with 20 (betting: 100 %, it never
-fails them), and its pass rate at Δ = 0 is close to the fixed gate's (e.g. 0.40 vs 0.45 with 50
-clusters, n = 1,000, m = 2 pt; betting 0.00). With every item its own cluster it is not uniformly
-better: it passes a no-change slice more often than betting at the full slice but a clear drop (5m)
-stops a little later (median 37 % of the items against betting's 28 % at n = 1,000), since O'Brien–
-Fleming spending keeps the first looks' boundaries high (c_1 ≈ 4.9 at t = 1/8 and α/5 = 0.01 sits
-higher still). With 5-10 clusters it rarely stops early: the score test itself has little power
-there. Against the fixed gate: the last boundary costs a few points of power (about 0.03-0.05 at
-Δ = 0), and the false-pass rate follows the fixed gate's — within Monte-Carlo error of it where the
-fixed gate holds α, but *above* it where the fixed gate is already anti-conservative, since every look
-is another chance for the few-cluster approximation to err: 10 clusters with ρ = 0.2 and one-way
-losses reached 0.26 against the fixed gate's 0.16 (quick grid, 200 data sets). Use it where the fixed
-gate is trusted (≳ 20 clusters, README); below that, betting is the valid choice.
+The cost, measured (``benchmarks/bench_sequential.py --method both``: 612 designs x 800 data sets,
+``benchmarks/results/sequential.md``; the designs of ``bench_gate_oc``, rounds of ~1/8 of the slice,
+fail at α/5). Against betting: on clustered slices (5-50 clusters) it is the only one of the two that
+stops early at all — at Δ = -5m a slice is scored to a median 60 % of its items with 50 clusters and
+90 % with 20 (betting: 100 %, it never fails them), and at Δ = 0 to 84 % and 88 % — and its pass rate
+at Δ = 0 stays near the fixed gate's (50 clusters, n = 1,000, m = 2 pt: 0.36 against 0.43; betting
+0.00). With every item its own cluster it is not better on items: it passes a no-change slice more
+often than betting (n = 1,000: 0.61 against 0.51) but stops a clear drop later (Δ = -5m: 37 % of the
+items against 28 %; at Δ = 0, n = 2,000: 54 % against 35 %), since O'Brien–Fleming spending keeps
+the first looks' boundaries high (eight equal looks: c = 5.42, 3.75, 3.00, ..., 1.78 at α = 0.05,
+and 7.19, 5.02, 4.05, ..., 2.41 on the fail side at α/5 = 0.01). With 5-10 clusters it rarely stops
+early: the score test itself has little power there. Against the fixed gate: the last boundary
+costs some power (pass rate at Δ = 0 lower by 0.00-0.10, typically 0.02-0.05), and the false-pass
+rate follows the fixed gate's — within Monte-Carlo error of it where the fixed gate holds α (every
+item its own cluster: at most 0.064 against 0.058, α + 3 SE = 0.073; 50 clusters: 0.049 against
+0.059) but *above* it where the fixed gate is already anti-conservative, since every look is another
+chance for the few-cluster approximation to err: 35 designs above α + 3 SE against the fixed gate's
+25, all with 5-10 clusters, up to 0.24 against 0.16 (10 clusters, ρ = 0.2, one-way losses, n = 1,000).
+Use it where the fixed gate is trusted (≳ 20 clusters, README); below that betting is the valid one.
 """
 
 from __future__ import annotations

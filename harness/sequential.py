@@ -69,6 +69,7 @@ class StopRule:
     min_items: int
     min_clusters: int
     method: str = "spending"  # eval.sequential_method
+    min_clusters_pass: int = 0  # gate.min_clusters_pass: a spending pass on multi-item clusters needs this many
 
 
 def stop_rule(cfg: RunConfig, slice_names: list[str]) -> StopRule:
@@ -79,7 +80,7 @@ def stop_rule(cfg: RunConfig, slice_names: list[str]) -> StopRule:
     default = cfg.gate.margin if cfg.gate.margin is not None else cfg.compare.margin
     margins = {name: float(cfg.gate.margins.get(name, default)) for name in slice_names}
     return StopRule(float(cfg.gate.alpha), family, margins, int(cfg.gate.min_items), int(cfg.gate.min_clusters),
-                    cfg.eval.sequential_method)
+                    cfg.eval.sequential_method, int(cfg.gate.min_clusters_pass))
 
 
 METHODS = ("betting", "spending")
@@ -159,6 +160,13 @@ def plan_slice(ref_records: pd.DataFrame, slice_name: str, seed: int, round_item
     return SlicePlan(slice_name, labels, codes, order, seqstats.rounds(order, sizes, items), items, int(seed))
 
 
+def _may_pass(result: seqstats.SequentialResult, rule: StopRule) -> bool:
+    """A pass the gate accepts: the betting sequence assumes nothing of the clusters; the score test at the
+    looks (spending) needs ``min_clusters_pass`` clusters when clusters hold several items (harness.gate)."""
+    clustered = result.n_clusters < result.n
+    return rule.method == "betting" or not clustered or result.n_clusters >= rule.min_clusters_pass
+
+
 def _diffs(ref_records: pd.DataFrame, answered: pd.DataFrame) -> np.ndarray:
     """d = quant - ref per reference record, NaN where the candidate has not answered yet."""
     quant = ref_records["item_id"].map(answered.set_index("item_id")["correct"]) if len(answered) else \
@@ -208,6 +216,8 @@ def evaluate_sequential(lm: Any, slice_: Slice, settings: evaluate.EvalSettings,
         trajectory.append({"round": index + 1, "items": result.n, "clusters": result.n_clusters,
                            "delta": result.estimate, "lower": result.lower, "upper": result.upper})
         big_enough = result.n >= rule.min_items and result.n_clusters >= rule.min_clusters
+        if result.state == "pass" and not _may_pass(result, rule):
+            big_enough = False  # the gate would not accept this pass (gate.min_clusters_pass): go on
         if result.state != "open" and big_enough:
             reason = (f"pass: lower bound {100 * result.lower:+.1f} pt > -{100 * margin:.1f} pt"
                       if result.state == "pass" else

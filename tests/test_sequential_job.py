@@ -262,3 +262,17 @@ def test_a_resumed_sequential_slice_replays_its_rounds_and_reaches_the_same_stop
     pd.testing.assert_frame_equal(first[0], second[0])
     assert first[2] == second[2]  # the same stop, reason and trajectory
     pd.testing.assert_frame_equal(first[3], second[3])
+
+
+def test_spending_does_not_stop_for_a_pass_the_gate_would_not_accept(monkeypatch) -> None:
+    """10 sources of 20 items, no change, a 30-pt margin: the score test at the rounds passes early, but
+    with fewer than gate.min_clusters_pass clusters the gate would call that pass inconclusive, so the job
+    does not stop on it (min_clusters_pass=0: it does)."""
+    reference = _reference(10, 20)
+    same = {item: 1.0 for item in reference["item_id"]}
+    free = sequential.StopRule(0.05, 1, {"s": 0.3}, 10, 2, "spending", 0)
+    guarded = sequential.StopRule(0.05, 1, {"s": 0.3}, 10, 2, "spending", 20)
+    _, _, early, _, _ = _run(monkeypatch, reference, same, free, round_items=40)
+    _, _, held, _, _ = _run(monkeypatch, reference, same, guarded, round_items=40)
+    assert early["state"] == "pass" and early["items_used"] < 200
+    assert held["items_used"] == 200 and held["rounds_used"] == held["rounds_total"]

@@ -131,7 +131,7 @@ def score_dof(codes: np.ndarray, diffs: np.ndarray, deff: float) -> float:
     """Degrees of freedom of the score test's t reference (module docstring): G - 1 with deff = 1,
     the effective number of clusters of the residual sums when deff > 1."""
     n_clusters = int(codes.max()) + 1
-    if n_clusters < 2 or not deff > 1:
+    if n_clusters < 2 or not deff > 1 + 1e-9:  # 1 up to rounding: partial credit without clusters gives 1 + 2e-16
         return float(n_clusters - 1)
     resid_sums = np.bincount(codes, weights=diffs - diffs.mean(), minlength=n_clusters)
     return float(effective_clusters(resid_sums))

@@ -123,10 +123,15 @@ def _levels(fractions: tuple[float, ...]) -> tuple[np.ndarray, np.ndarray]:
     return nominal_levels(fractions, ALPHA), nominal_levels(fractions, ALPHA / SLICES)
 
 
+MIN_CLUSTERS_PASS = 20  # harness.config.GateConfig.min_clusters_pass: the gate's few-cluster guard on passes
+
+
 def spending_decisions(order: np.ndarray, diffs: np.ndarray, codes: np.ndarray, clusters: int,
-                       margin: float) -> dict[str, np.ndarray]:
+                       margin: float, min_clusters_pass: int = 0) -> dict[str, np.ndarray]:
     """Group-sequential score test (``harness.stats.group_sequential.spending_test``), per data set scored
-    in ``order``: passed, failed, and the fraction of items scored when it stopped."""
+    in ``order``: passed, failed, and the fraction of items scored when it stopped. ``min_clusters_pass``:
+    with multi-item clusters a look passes only once it has seen that many clusters (the job and the
+    gate's ``gate.min_clusters_pass``; a slice that cannot reach it never passes)."""
     reps, n = diffs.shape
     ordered = ordered_cluster_sums(order, diffs, codes, clusters)
     masks = look_mask(ordered["sizes"], default_round_items(n))
@@ -146,6 +151,8 @@ def spending_decisions(order: np.ndarray, diffs: np.ndarray, codes: np.ndarray, 
             z, dof, _ = look_statistics({k: (v[live] if isinstance(v, np.ndarray) else v) for k, v in ordered.items()},
                                         margin, int(seen))
             up = z > (sps.t.isf(lp, dof) if lp > 0 else np.inf)
+            if clusters < n and seen < min_clusters_pass:
+                up = np.zeros_like(up)
             down = ~up & (z < (-sps.t.isf(lf, dof) if lf > 0 else -np.inf))
             passed[live], failed[live] = up, down
             fraction[live] = scored / n
@@ -170,12 +177,19 @@ def run_row(rng: np.random.Generator, design: dict, reps: int, methods: tuple[st
         fixed = decisions(diffs, codes, design["clusters"], margin, slices=SLICES)
         order = cluster_orders(rng, reps, design["clusters"])
         cell = {"fixed_pass": float(fixed["new_pass"].mean()), "fixed_fail": float(fixed["new_fail"].mean())}
+        guard = design["clusters"] < design["n"] and design["clusters"] < MIN_CLUSTERS_PASS
+        cell["fixed_pass_guarded"] = 0.0 if guard else cell["fixed_pass"]  # the gate with gate.min_clusters_pass
         for method in methods:
             out = (sequential_decisions if method == "betting" else spending_decisions)(
                 order, diffs, codes, design["clusters"], margin)
             prefix = "" if method == "betting" else "spending_"
             cell.update({prefix + "pass": float(out["pass"].mean()), prefix + "fail": float(out["fail"].mean()),
                          prefix + "fraction": float(out["fraction"].mean())})
+            if method == "spending":  # as the job and the gate run it: passes need min_clusters_pass clusters
+                guarded = spending_decisions(order, diffs, codes, design["clusters"], margin, MIN_CLUSTERS_PASS)
+                cell.update({"spending_guarded_pass": float(guarded["pass"].mean()),
+                             "spending_guarded_fail": float(guarded["fail"].mean()),
+                             "spending_guarded_fraction": float(guarded["fraction"].mean())})
         row[name] = cell
     return row
 
@@ -205,7 +219,8 @@ def summarise(rows: list[dict], reps: int) -> dict:
         for what in ("fixed_pass", "fixed_fail"):
             vals = _values(both, key, what)
             out[f"median_{what}_{key}_both_ways"] = float(np.median(vals)) if vals else None
-    for prefix in ("", "spending_"):
+    out["max_false_pass_fixed_guarded"] = max(_values(rows, "at_m", "fixed_pass_guarded"))
+    for prefix in ("", "spending_", "spending_guarded_"):
         if not at_m or prefix + "pass" not in at_m[0]["at_m"]:
             continue
         worst = max(at_m, key=lambda r: r["at_m"][prefix + "pass"])

@@ -115,6 +115,10 @@ def test_a_gpu_sweep_is_planned_on_a_machine_without_cuda_or_hub_loading_nothing
         assert len(plan.jobs) == 2 and plan.jobs[0].status == "not checked"
         assert sum(s.requests for s in plan.jobs[0].slices) > 0
         assert any("smollm2_135m's tokenizer" in note for note in plan.notes)
+        assert not any("eval.sequential" in note for note in plan.notes)
+    sequential = plan_mod.plan_sweep([*common, "quant=int4_g128,fp8", "eval.sequential=true,false"], gpu="H200")
+    [note] = [note for note in sequential.notes if "eval.sequential" in note]
+    assert "(job 0, 2)" in note and "upper bound" in note  # the two sequential jobs of four, named
     with pytest.raises(plan_mod.cli.UsageError, match="unknown GPU 'H900'"):
         plan_mod.plan_sweep(common, gpu="H900")
 

@@ -242,27 +242,33 @@ def main(argv: list[str] | None = None) -> int:
 
 
 
+def structure(r: dict) -> str:
+    """A design's cluster structure as a table row label."""
+    return "each item its own" if r["clusters"] == r["n"] else f"{r['clusters']} clusters, ρ {r['rho']:g}"
+
+
+def grid_table(rows: list[dict], cell) -> list[str]:
+    """Markdown lines of a table with one row per cluster structure and one column per (n, margin);
+    ``cell(group)`` formats the designs of a cell (None or "" shows "–")."""
+    structures = list(dict.fromkeys(structure(r) for r in rows))
+    sizes = list(dict.fromkeys((r["n"], r["margin"]) for r in rows))
+    out = ["| clusters | " + " | ".join(f"n {n}, m {100 * m:g} pt" for n, m in sizes) + " |",
+           "|---|" + "---:|" * len(sizes)]
+    for name in structures:
+        cells = []
+        for size in sizes:
+            group = [r for r in rows if structure(r) == name and (r["n"], r["margin"]) == size]
+            cells.append((cell(group) if group else None) or "–")
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return out
+
+
 def markdown(result: dict) -> str:
     """README tables from a results file: per cluster structure (rows) and (n, margin) (columns)."""
     rows = result["rows"]
 
-    def structure(r: dict) -> str:
-        return "each item its own" if r["clusters"] == r["n"] else f"{r['clusters']} clusters, ρ {r['rho']:g}"
-
-    structures = list(dict.fromkeys(structure(r) for r in rows))
-    sizes = list(dict.fromkeys((r["n"], r["margin"]) for r in rows))
-    header = "| clusters | " + " | ".join(f"n {n}, m {100 * m:g} pt" for n, m in sizes) + " |"
-    rule = "|---|" + "---:|" * len(sizes)
-
     def table(cell) -> list[str]:
-        out = [header, rule]
-        for name in structures:
-            cells = []
-            for size in sizes:
-                group = [r for r in rows if structure(r) == name and (r["n"], r["margin"]) == size]
-                cells.append(cell(group) if group else "–")
-            out.append(f"| {name} | " + " | ".join(cells) + " |")
-        return out
+        return grid_table(rows, cell)
 
     def false_pass(group):
         return f"{max(r['false_pass'] for r in group):.3f} ({max(r.get('false_pass_g1', math.nan) for r in group):.3f})"

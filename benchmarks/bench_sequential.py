@@ -45,7 +45,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gate_oc import ALPHA, decisions, grid, rates, simulate  # noqa: E402
+from bench_gate_oc import ALPHA, decisions, grid, grid_table, rates, simulate, structure  # noqa: E402
 
 from scipy import stats as sps  # noqa: E402
 
@@ -296,10 +296,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _structure(r: dict) -> str:
-    return "each item its own" if r["clusters"] == r["n"] else f"{r['clusters']} clusters, ρ {r['rho']:g}"
-
-
 def _prefixes(result: dict) -> list[tuple[str, str]]:
     """(method, key prefix) of the sequential methods in a results file (older files: betting only)."""
     return [(m, "" if m == "betting" else "spending_") for m in result.get("methods", ["betting"])]
@@ -310,21 +306,11 @@ def markdown(result: dict) -> str:
     rows = result["rows"]
     prefixes = _prefixes(result)
     names = " / ".join(m for m, _ in prefixes)
-    structures = list(dict.fromkeys(_structure(r) for r in rows))
+    structures = list(dict.fromkeys(structure(r) for r in rows))
     sizes = list(dict.fromkeys((r["n"], r["margin"]) for r in rows))
-    header = "| clusters | " + " | ".join(f"n {n}, m {100 * m:g} pt" for n, m in sizes) + " |"
-    rule = "|---|" + "---:|" * len(sizes)
 
     def table(cell) -> list[str]:
-        out = [header, rule]
-        for name in structures:
-            cells = []
-            for size in sizes:
-                group = [r for r in rows if _structure(r) == name and (r["n"], r["margin"]) == size]
-                text = cell(group) if group else None
-                cells.append(text or "–")
-            out.append(f"| {name} | " + " | ".join(cells) + " |")
-        return out
+        return grid_table(rows, cell)
 
     def worst(delta: str, key: str, digits: int = 3):
         def cell(group):
@@ -378,7 +364,7 @@ def markdown(result: dict) -> str:
     head = "| clusters | " + " | ".join(f"Δ = {v:g}m" if v else "Δ = 0" for _, v in DELTAS) + " |"
     lines += [head, "|---|" + "---:|" * len(DELTAS)]
     for name in structures + ["all designs"]:
-        group = rows if name == "all designs" else [r for r in rows if _structure(r) == name]
+        group = rows if name == "all designs" else [r for r in rows if structure(r) == name]
         lines.append(f"| {name} | " + " | ".join(fractions(group, key) for key, _ in DELTAS) + " |")
     lines += ["", f"The same ({names}) by slice size and margin, every item its own cluster:", "",
               head.replace("clusters", "n, m", 1), "|---|" + "---:|" * len(DELTAS)]

@@ -20,7 +20,7 @@ from scipy import stats as sps
 
 from harness.stats import group_sequential as gs
 from harness.stats.score import score_test
-from harness.stats.sequential import sequential_test
+from harness.stats.sequential import cluster_order, sequential_test
 
 EQUAL5 = np.arange(1, 6) / 5
 
@@ -136,7 +136,7 @@ def test_every_look_is_the_score_test_on_the_items_seen():
     rng = np.random.default_rng(11)
     diffs, codes = _slice(rng, n=400, clusters=40)
     result = gs.spending_test(diffs, codes, 0.05, stop=False, seed=3)
-    order = gs.cluster_order(codes, 3)
+    order = cluster_order(codes, 3)
     levels = gs.nominal_levels(np.array(result.looks_items) / diffs.size, 0.05)
     for items, low, level in zip(result.looks_items, result.looks_lower, levels):
         clusters = order[:np.searchsorted(np.cumsum(np.bincount(codes)[order]), items) + 1]
@@ -164,7 +164,7 @@ def test_rounds_and_nan_like_sequential_test(n, clusters, round_items):
     diffs = (rng.random(n) < 0.1).astype(float) - (rng.random(n) < 0.1)
     for missing in (0.0, 0.3, 1.0):
         partial = diffs.copy()
-        order = gs.cluster_order(codes, 2)
+        order = cluster_order(codes, 2)
         late = np.isin(codes, order[int((1 - missing) * clusters):])  # the last clusters in the order not scored
         partial[late & (rng.random(n) < 0.5)] = np.nan
         a = gs.spending_test(partial, codes, 0.05, seed=2, round_items=round_items, stop=False)
@@ -204,7 +204,7 @@ def test_bench_sequential_spending_decisions_match_spending_test():
                                             (100, 5, 0.05, 0.05, -0.05), (300, 50, 0.02, 0.05, 0.0)]:
         reps = 6
         diffs, codes = bench.simulate(rng, reps, n, clusters, rho, 0.5, *bench.rates(0.5, delta, "both", 0.3), False)
-        order = np.array([gs.cluster_order(codes, seed) for seed in range(reps)])
+        order = np.array([cluster_order(codes, seed) for seed in range(reps)])
         out = bench.spending_decisions(order, diffs, codes, clusters, margin)
         for i in range(reps):
             ref = gs.spending_test(diffs[i], codes, margin, family=bench.SLICES, seed=i)

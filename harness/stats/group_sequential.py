@@ -103,7 +103,7 @@ from scipy import special
 from scipy import stats as sps
 
 from harness.stats.score import score_test
-from harness.stats.sequential import SequentialResult, cluster_order, rounds, state_of
+from harness.stats.sequential import SequentialResult, slice_rounds, state_of
 
 __all__ = ["SPENDING", "SPENDING_TEST_FUNCTION", "crossing_probabilities", "nominal_levels", "spending_boundaries", "spending_function",
            "spending_test"]
@@ -246,18 +246,8 @@ def spending_test(diffs: ArrayLike, codes: ArrayLike, margin: float, *, alpha: f
     at every complete round). Spending function: ``SPENDING_TEST_FUNCTION`` (O'Brien–Fleming type). ``lower``: the look's repeated lower bound at level α (pass ⇔ > -margin);
     ``upper``: its repeated upper bound at level α/``family`` (fail ⇔ < -margin).
     """
-    diffs, codes = np.asarray(diffs, dtype=float), np.asarray(codes, dtype=int)
-    if diffs.shape != codes.shape or diffs.ndim != 1 or diffs.size == 0:
-        raise ValueError("diffs and codes must be 1-d arrays of the same, positive length")
-    if not 0 < margin < 1 or not 0 < alpha < 0.5 or family < 1:
-        raise ValueError(f"need 0 < margin < 1, 0 < alpha < 0.5, family >= 1 (got {margin}, {alpha}, {family})")
-    sizes = np.bincount(codes).astype(float)
-    if np.any(sizes == 0):
-        raise ValueError("cluster ids must be 0..G-1 with every id used")
-    sums = np.bincount(codes, weights=np.nan_to_num(diffs))
-    scored = np.bincount(codes, weights=np.isfinite(diffs).astype(float)) == sizes
-    order = cluster_order(codes, seed)
-    parts = rounds(order, sizes, round_items)
+    diffs, codes, sizes, sums, scored, order, parts = slice_rounds(diffs, codes, margin, alpha, family, seed,
+                                                                   round_items)
     ends = np.cumsum([part.size for part in parts])
     items_at = np.cumsum(sizes[order])[ends - 1]  # items scored at each planned look
     fractions = items_at / diffs.size

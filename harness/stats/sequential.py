@@ -90,7 +90,8 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 __all__ = ["MIN_ROUND_ITEMS", "TRUNCATION", "SequentialResult", "cluster_order", "cs_bounds", "default_round_items",
-           "log_capital", "look_mask", "min_clusters_to_pass", "predictable_bets", "rounds", "sequential_test", "state_of"]
+           "log_capital", "look_mask", "min_clusters_to_pass", "predictable_bets", "rounds", "sequential_test",
+           "slice_rounds", "state_of"]
 
 TRUNCATION = 0.5  # c: bets truncated at c/m (lower side) and c/(1 - m) (upper); WSR suggest 1/2 or 3/4
 _BISECTIONS = 50  # bounds to 2^-50 of [0, 1]: far below any printed digit
@@ -298,15 +299,11 @@ def state_of(lower: float, upper: float, margin: float) -> State:
     return "open"
 
 
-def sequential_test(diffs: ArrayLike, codes: ArrayLike, margin: float, *, alpha: float = 0.05, family: int = 1,
-                    seed: int = 0, round_items: int | None = None, stop: bool = True) -> SequentialResult:
-    """Score a slice round by round in the seeded cluster order and read the verdict after each round.
-
-    ``diffs``: every item's d = quant - ref in [-1, 1], NaN for items not scored yet (a round is
-    looked at only once all its items are scored); ``codes``: every item's cluster id 0..G-1, the
-    whole slice (it fixes n̄, M, the order and the rounds before anything is scored). Stops at the
-    first look whose state is pass or fail (``stop=False``: looks at every complete round).
-    """
+def slice_rounds(diffs: ArrayLike, codes: ArrayLike, margin: float, alpha: float, family: int, seed: int,
+                 round_items: int | None):
+    """The inputs of a sequential test checked and planned: (diffs, codes, cluster sizes, cluster sums of
+    the scored items, which clusters are fully scored, the cluster order, its rounds). Shared by
+    :func:`sequential_test` and :func:`harness.stats.group_sequential.spending_test`."""
     diffs, codes = np.asarray(diffs, dtype=float), np.asarray(codes, dtype=int)
     if diffs.shape != codes.shape or diffs.ndim != 1 or diffs.size == 0:
         raise ValueError("diffs and codes must be 1-d arrays of the same, positive length")
@@ -319,6 +316,20 @@ def sequential_test(diffs: ArrayLike, codes: ArrayLike, margin: float, *, alpha:
     scored = np.bincount(codes, weights=np.isfinite(diffs).astype(float)) == sizes
     order = cluster_order(codes, seed)
     parts = rounds(order, sizes, round_items)
+    return diffs, codes, sizes, sums, scored, order, parts
+
+
+def sequential_test(diffs: ArrayLike, codes: ArrayLike, margin: float, *, alpha: float = 0.05, family: int = 1,
+                    seed: int = 0, round_items: int | None = None, stop: bool = True) -> SequentialResult:
+    """Score a slice round by round in the seeded cluster order and read the verdict after each round.
+
+    ``diffs``: every item's d = quant - ref in [-1, 1], NaN for items not scored yet (a round is
+    looked at only once all its items are scored); ``codes``: every item's cluster id 0..G-1, the
+    whole slice (it fixes n̄, M, the order and the rounds before anything is scored). Stops at the
+    first look whose state is pass or fail (``stop=False``: looks at every complete round).
+    """
+    diffs, codes, sizes, sums, scored, order, parts = slice_rounds(diffs, codes, margin, alpha, family, seed,
+                                                                   round_items)
     complete = 0
     for part in parts:  # rounds whose every item is scored, from the start
         if not scored[part].all():

@@ -90,7 +90,19 @@ def test_everything_is_put_back_afterwards(console, transformers_like):
     assert joblog.attach(Path("results/any")) is None  # no job: nothing to attach
 
 
-def test_verbose_shows_every_message_on_the_console_and_still_logs_them(console, tmp_path):
+@pytest.fixture
+def propagating_transformers():
+    """The "transformers" logger as a fresh process has it (propagating, no handler of its own): an earlier
+    test that imported transformers may have given it its own stderr handler and turned propagation off,
+    and then its messages reach the terminal through that handler, not the root console this test reads."""
+    library = logging.getLogger("transformers")
+    saved = library.handlers[:], library.propagate
+    library.handlers, library.propagate = [], True
+    yield
+    library.handlers, library.propagate = saved
+
+
+def test_verbose_shows_every_message_on_the_console_and_still_logs_them(console, propagating_transformers, tmp_path):
     with joblog.job_console(verbose=True, stream=io.StringIO()):
         joblog.attach(tmp_path)
         emit_job_messages()

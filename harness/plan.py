@@ -262,12 +262,13 @@ def plan_sweep(overrides: Sequence[str], *, tokens_per_s: float | None = None,
 
 
 # The measured shares of a slice's items a sequential candidate answers (benchmarks/bench_sequential.py,
-# spending, rounds of 1/8 of the slice; medians over the simulated designs; README "Sequential evaluation").
+# spending with the gate's min_clusters_pass, rounds of 1/8 of the slice; medians over the simulated designs;
+# README "Sequential evaluation").
 SEQUENTIAL_NOTE = ("eval.sequential=true (job {jobs}): the candidate's time is an upper bound, the reference's "
                    "is not (it answers every item). Measured median share of a slice's items a candidate needs: "
                    "a clearly broken scheme (5x the margin) 44 % when every item is its own cluster, 60 % with "
-                   "50 clusters, 90 % with 20, ~100 % with 10 or fewer; an unchanged one 84-88 %, ~100 % with "
-                   "10 clusters or fewer")
+                   "50 clusters, 90 % with 20, ~100 % with 10 or fewer; an unchanged one 84 % (items their own "
+                   "clusters, or 50 clusters), ~100 % with 20 clusters or fewer (no pass before gate.min_clusters_pass)")
 
 
 def _job_config(overrides: list[str]) -> RunConfig:

@@ -312,24 +312,22 @@ def markdown(result: dict) -> str:
     def table(cell) -> list[str]:
         return grid_table(rows, cell)
 
-    def worst(delta: str, key: str, digits: int = 3):
-        def cell(group):
-            fixed = _values(group, delta, "fixed_" + key)
-            if not fixed:
-                return None
-            seq = " / ".join(f"{max(_values(group, delta, p + key)):.{digits}f}" for _, p in prefixes)
-            return f"{seq} ({max(fixed):.{digits}f})"
-        return cell
-
-    def median(delta: str, key: str, pattern: str | None = "both"):
+    def reduced(delta: str, key: str, reduce, digits: int, pattern: str | None):
+        """A cell: each method's and the fixed test's ``reduce`` over the designs (of ``pattern``, None: all)."""
         def cell(group):
             group = [r for r in group if pattern is None or r["pattern"] == pattern]
             fixed = _values(group, delta, "fixed_" + key)
             if not fixed:
                 return None
-            seq = " / ".join(f"{float(np.median(_values(group, delta, p + key))):.2f}" for _, p in prefixes)
-            return f"{seq} ({float(np.median(fixed)):.2f})"
+            seq = " / ".join(f"{float(reduce(_values(group, delta, p + key))):.{digits}f}" for _, p in prefixes)
+            return f"{seq} ({float(reduce(fixed)):.{digits}f})"
         return cell
+
+    def worst(delta: str, key: str):
+        return reduced(delta, key, max, 3, None)
+
+    def median(delta: str, key: str, pattern: str | None = "both"):
+        return reduced(delta, key, np.median, 2, pattern)
 
     def fractions(group: list[dict], key: str) -> str:
         parts = []

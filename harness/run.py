@@ -143,14 +143,10 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
             candidate_params = {}
             quant_report = quant.apply(loaded.model, cfg.quant, _quant_context(loaded, cfg, cache))
     with timings.stage("evaluate"):
-        if cfg.eval.sequential:  # rounds need each slice's reference first: a deferred one is waited for
-            evaluated = evaluate_sequentially(loaded, checked.slices, cfg, checkpoint, references,
-                                              lambda s: deferred_references(loaded, [s], cfg, cache)[s.name])
-            deferred_done = {s.name for s in deferred}
-        else:
-            evaluated = evaluate_quantized(loaded, checked.slices, cfg, checkpoint)
-            deferred_done = set()
-    deferred = [s for s in deferred if s.name not in deferred_done]
+        # sequential rounds need each slice's reference first: a deferred one is waited for there
+        evaluated = evaluate_quantized(loaded, checked.slices, cfg, checkpoint, references,
+                                       lambda s: deferred_references(loaded, [s], cfg, cache)[s.name])
+    deferred = [s for s in deferred if s.name not in references]
     if deferred:
         # the child's thread count: a reference computed here after the child died matches the divergence stage
         with timings.stage("reference_wait"), progress.side("reference"), \
@@ -253,45 +249,37 @@ def prepare_results_dir(cfg: RunConfig, key: str) -> Path:
     return directory
 
 
-def evaluate_quantized(loaded: models.LoadedModel, slices: list[Slice], cfg: RunConfig,
-                       checkpoint: Path) -> Evaluated:
-    """The quantized model through lm-eval, slice by slice, resuming from ``checkpoint``."""
+def evaluate_quantized(loaded: models.LoadedModel, slices: list[Slice], cfg: RunConfig, checkpoint: Path,
+                       references: dict[str, SliceReference] | None = None, wait_reference=None) -> Evaluated:
+    """The quantized model through lm-eval, slice by slice, resuming from ``checkpoint``.
+
+    With ``eval.sequential`` each slice is answered in rounds until settled (harness.sequential): that
+    needs its reference first, so slices whose reference is in ``references`` go first, and a reference
+    another process is computing is waited for (``wait_reference``) right before its slice and added
+    to ``references``.
+    """
     settings = eval_settings(cfg, tokenizer_dir(loaded))
     lm = evaluate.make_lm(loaded.model, loaded.tokenizer, settings, checkpoint=cfg.candidate.path)
-    records, aggregates, restored, requests = [], {}, {}, {}
-    for slice_ in slices:
-        restored[slice_.name] = evaluate.checkpoint_rows(checkpoint / slice_.name)
-        frame, agg = evaluate.evaluate_slice(lm, slice_, settings, checkpoint=checkpoint / slice_.name)
-        requests[slice_.name] = evaluate.checkpoint_rows(checkpoint / slice_.name)
-        records.append(frame)
-        aggregates.update(agg)
-    return Evaluated(pd.concat(records, ignore_index=True), aggregates, restored, requests)
-
-
-def evaluate_sequentially(loaded: models.LoadedModel, slices: list[Slice], cfg: RunConfig, checkpoint: Path,
-                          references: dict[str, SliceReference], wait_reference) -> Evaluated:
-    """``eval.sequential``: each slice in rounds until settled (harness.sequential). Slices whose reference
-    is ready go first; a reference another process is computing is waited for (``wait_reference``)
-    right before its slice, and added to ``references``."""
-    settings = eval_settings(cfg, tokenizer_dir(loaded))
-    lm = evaluate.make_lm(loaded.model, loaded.tokenizer, settings, checkpoint=cfg.candidate.path)
-    rule = sequential.stop_rule(cfg, [s.name for s in slices])
+    rule = sequential.stop_rule(cfg, [s.name for s in slices]) if cfg.eval.sequential else None
     records, aggregates, restored, requests, stops, placements = [], {}, {}, {}, {}, []
-    for slice_ in sorted(slices, key=lambda s: s.name not in references):
-        if slice_.name not in references:
-            references[slice_.name] = wait_reference(slice_)
+    for slice_ in slices if rule is None else sorted(slices, key=lambda s: s.name not in references):
         restored[slice_.name] = evaluate.checkpoint_rows(checkpoint / slice_.name)
-        frame, agg, stops[slice_.name], placed = sequential.evaluate_sequential(
-            lm, slice_, settings, checkpoint / slice_.name, references[slice_.name].records, rule, cfg.eval.seed,
-            cfg.eval.sequential_round_items)
+        if rule is None:
+            frame, agg = evaluate.evaluate_slice(lm, slice_, settings, checkpoint=checkpoint / slice_.name)
+        else:
+            if slice_.name not in references:
+                references[slice_.name] = wait_reference(slice_)
+            frame, agg, stops[slice_.name], placed = sequential.evaluate_sequential(
+                lm, slice_, settings, checkpoint / slice_.name, references[slice_.name].records, rule,
+                cfg.eval.seed, cfg.eval.sequential_round_items)
+            placements.append(placed)
+            progress.current().note("quantized", slice_.name, sequential.items_line(stops[slice_.name]))
         requests[slice_.name] = evaluate.checkpoint_rows(checkpoint / slice_.name)
         records.append(frame)
-        placements.append(placed)
         aggregates.update(agg)
-        progress.current().note("quantized", slice_.name, sequential.items_line(stops[slice_.name]))
-    order = [s.name for s in slices]
     return Evaluated(pd.concat(records, ignore_index=True), aggregates, restored, requests,
-                     {name: stops[name] for name in order}, pd.concat(placements, ignore_index=True))
+                     {s.name: stops[s.name] for s in slices if s.name in stops},
+                     pd.concat(placements, ignore_index=True) if placements else None)
 
 
 def summary_record(cfg: RunConfig, key: str, comparison: summary.Comparison, quant_report: quant.QuantReport,

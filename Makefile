@@ -10,10 +10,14 @@ setup:
 run: setup
 	$(PY) -m harness $(ARGS)
 
-# The whole test suite (fast tier + real-model tier).
-test: setup
-	$(PY) -m pytest $(ARGS)
+# One pytest worker per CPU; a test file stays on one worker (its module fixtures are built once).
+XDIST := -n auto --dist loadfile
 
-# Only the fast tier (tiny random model; no SmolLM2 / Gemma).
+# The whole test suite (fast tier + slow tier).
+test: setup
+	$(PY) -m pytest $(XDIST) $(ARGS)
+
+# Only the fast tier: unit tests, property tests and one tiny_random job end to end
+# (config -> quantize -> evaluate -> statistics -> gate -> MLflow); no test marked slow.
 test-fast: setup
-	$(PY) -m pytest -m "not slow" $(ARGS)
+	$(PY) -m pytest $(XDIST) -m "not slow" $(ARGS)

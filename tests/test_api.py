@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import pandas as pd
+import pytest
 
 import harness
 from tests.conftest import TINY_MATH
 
 
+@pytest.mark.slow
 def test_stage_by_stage_equals_the_cli_pipeline(make_cfg, tmp_path):
     cfg = make_cfg(*TINY_MATH, "quant=int4")
     run_cfg = harness.to_config(cfg)

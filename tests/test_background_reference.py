@@ -11,6 +11,7 @@ TINY = ["model=tiny_random", "slices=[math]", "slices.math.n_items=9", "slices.m
         "slices.math.tasks=[harness_math_gen,harness_math_mc]", "quant=int4_g128", "tracking.enabled=false"]
 
 
+@pytest.mark.slow
 def test_a_split_job_matches_a_serial_one(make_cfg, tmp_path):
     # threads=2 splits into 1 + 1, the kernels of a serial run with 1 thread (other thread counts sum in
     # another order): so records must be equal and metrics equal to float rounding.
@@ -28,6 +29,7 @@ def test_a_split_job_matches_a_serial_one(make_cfg, tmp_path):
     assert split["metrics"]["math/kl_mean"] == pytest.approx(serial["metrics"]["math/kl_mean"], rel=1e-3)
 
 
+@pytest.mark.slow
 def test_a_cached_reference_starts_no_process(make_cfg, tmp_path):
     run(make_cfg(*TINY, "runtime.threads=1"))
     again = run(make_cfg(*TINY, "runtime.threads=2", "runtime.reference_process=true", "quant=int8"))
@@ -35,6 +37,7 @@ def test_a_cached_reference_starts_no_process(make_cfg, tmp_path):
     assert again["reference_deferred"] == []
 
 
+@pytest.mark.slow
 def test_when_to_split(make_cfg):
     cfg = identity.to_config(make_cfg(*TINY))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)

@@ -29,6 +29,7 @@ def test_unknown_group_option_lists_the_available_ones(tmp_path):
     assert "smollm2_135m" in out.stderr and "tiny_random" in out.stderr
 
 
+@pytest.mark.slow
 def test_unknown_key_and_wrong_type_fail_at_start(tmp_path):
     typo = _cli("quant=int4_g128", "quant.weights.bitz=3", "--cfg", "job", cwd=tmp_path)
     assert typo.returncode != 0 and "bitz" in typo.stderr
@@ -36,12 +37,14 @@ def test_unknown_key_and_wrong_type_fail_at_start(tmp_path):
     assert wrong_type.returncode != 0 and "model.batch_size" in wrong_type.stderr
 
 
+@pytest.mark.slow
 def test_cfg_job_prints_the_resolved_config(tmp_path):
     out = _cli("--cfg", "job", cwd=tmp_path)
     assert out.returncode == 0
     assert "name: smollm2_135m" in out.stdout and "name: int4_g128" in out.stdout
 
 
+@pytest.mark.slow
 def test_group_size_that_does_not_divide_is_refused_before_evaluation(make_cfg, monkeypatch):
     calls = []
     monkeypatch.setattr(run_mod, "reference_unless_busy", lambda *a, **k: calls.append(a))
@@ -50,6 +53,7 @@ def test_group_size_that_does_not_divide_is_refused_before_evaluation(make_cfg, 
     assert calls == []  # nothing was evaluated
 
 
+@pytest.mark.slow
 def test_unknown_slice_names_the_offline_slices(make_cfg, tmp_path):
     out = _cli("slices=[nope]", "--cfg", "job", cwd=tmp_path)
     assert out.returncode != 0 and "unknown slices option(s) ['nope']" in out.stderr and "math" in out.stderr
@@ -85,6 +89,7 @@ def test_cuda_device_on_a_cpu_machine_is_refused():
         models.check_available(cfg)
 
 
+@pytest.mark.slow
 def test_unwritable_results_dir_is_refused_before_evaluation(make_cfg, tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
@@ -95,6 +100,7 @@ def test_unwritable_results_dir_is_refused_before_evaluation(make_cfg, tmp_path,
     assert calls == []
 
 
+@pytest.mark.slow
 def test_unreachable_tracking_server_keeps_results_on_disk(make_cfg, tmp_path, caplog):
     result = run_mod.run(make_cfg(*TINY_MATH, "quant=int8", "tracking.uri=http://127.0.0.1:9"))
     directory = next((tmp_path / "results").glob("*"))
@@ -118,6 +124,7 @@ def test_sync_command_line_errors_are_one_line(tmp_path, capsys):
     assert "uri=None" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_user_fixable_error_of_the_job_is_one_line_without_traceback(tmp_path):
     out = subprocess.run([sys.executable, "-m", "harness", "model=llama8b", "model.device=cpu",
                           "tracking.enabled=false", f"paths.results_dir={tmp_path / 'results'}"],
@@ -129,6 +136,7 @@ def test_a_user_fixable_error_of_the_job_is_one_line_without_traceback(tmp_path)
     assert len(errors) == 1 and "Llama-3.1-8B-Instruct" in errors[0] and "model.path" in errors[0]
 
 
+@pytest.mark.slow
 def test_a_real_bug_keeps_its_traceback(tmp_path):
     program = ("import runpy, sys\n"
                "import harness.run\n"

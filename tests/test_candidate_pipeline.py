@@ -28,6 +28,7 @@ def _export_int4(tmp_path, cache_dir):
     return out
 
 
+@pytest.mark.slow
 def test_exported_checkpoint_as_candidate_reproduces_the_harness_run(make_cfg, tmp_path, cache_dir):
     out = _export_int4(tmp_path, cache_dir)
     own = run_mod.run(make_cfg(*TINY_MATH, "quant=int4_g128"))

@@ -91,6 +91,7 @@ def _options(tmp_path: Path, **changes) -> CompareOptions:
 # ------------------------------------------------------------------ statistics -----------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("correction, statsmodels_method", [("holm", "holm"), ("bh", "fdr_bh")])
 def test_correction_spans_every_test_of_the_comparison(tmp_path, correction, statsmodels_method):
     report = analyse(synthetic_runs(), _options(tmp_path, correction=correction))
@@ -144,6 +145,7 @@ def test_labels_are_unique_across_models_and_repeats(tmp_path):
     assert report.labels[2] == "other/nvfp4"
 
 
+@pytest.mark.slow
 def test_kl_by_position_only_with_long_rows(tmp_path):
     long_report = analyse(synthetic_runs(long_tokens=True), _options(tmp_path))
     short_report = analyse(synthetic_runs(long_tokens=False), _options(tmp_path))
@@ -153,6 +155,7 @@ def test_kl_by_position_only_with_long_rows(tmp_path):
     assert "kl_by_position" not in written and "kl_cdf" in written
 
 
+@pytest.mark.slow
 def test_write_report_files_and_contents(tmp_path):
     report = analyse(synthetic_runs(), _options(tmp_path))
     written = write_report(report, tmp_path / "out")
@@ -171,6 +174,7 @@ def test_write_report_files_and_contents(tmp_path):
     assert pd.read_parquet(written["item_stats"]).shape == report.item_stats.shape
 
 
+@pytest.mark.slow
 def test_cluster_counts_stand_beside_n_in_every_table(tmp_path):
     runs = synthetic_runs()
     for run in runs:  # the 60 math items come from 15 sources of 4; long-context items are singletons
@@ -254,6 +258,7 @@ def _client(uri: str):
     return mlflow.tracking.MlflowClient(tracking_uri=uri)
 
 
+@pytest.mark.slow
 def test_selects_runs_by_sweep_tag_and_id(tiny_runs, tmp_path):
     uri = tiny_runs["uri"]
     by_sweep = compare_runs(tracking_uri=uri, sweep="A", write=False, n_resamples=200)
@@ -273,6 +278,7 @@ def test_selects_runs_by_sweep_tag_and_id(tiny_runs, tmp_path):
         compare_runs("nope", tracking_uri=uri, write=False)
 
 
+@pytest.mark.slow
 def test_rows_reproduce_each_runs_own_statistics(tiny_runs, tmp_path):
     report = compare_runs(tracking_uri=tiny_runs["uri"], sweep="A", write=False, n_resamples=1000,
                           correction="none")
@@ -287,6 +293,7 @@ def test_rows_reproduce_each_runs_own_statistics(tiny_runs, tmp_path):
         assert list(ours["verdict"]) == list(own["verdict"])
 
 
+@pytest.mark.slow
 def test_command_writes_outputs_and_logs_a_comparison_run(tiny_runs, tmp_path, capsys):
     uri = tiny_runs["uri"]
     out = tmp_path / "cmp"
@@ -314,6 +321,7 @@ def test_command_writes_outputs_and_logs_a_comparison_run(tiny_runs, tmp_path, c
     assert bits["int8"] > bits["int4"] > 4.0
 
 
+@pytest.mark.slow
 def test_results_directories_without_mlflow(tiny_runs, tmp_path):
     dirs = sorted((tiny_runs["root"] / "results").iterdir())
     report = compare_runs(dirs=dirs, write=True, out=str(tmp_path / "local"), n_resamples=200)
@@ -389,6 +397,7 @@ def test_compare_package_imports_one_way():
     assert all("harness.formatting" in graph[m] for m in ("harness.compare.render.tables",))
 
 
+@pytest.mark.slow
 def test_long_generation_survival_curves_are_compared_across_runs(tmp_path):
     """Runs that hold a long-generation survival table get one curve each in the comparison."""
     import json as _json

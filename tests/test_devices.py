@@ -19,6 +19,7 @@ def test_normalize(spec, expected):
     assert devices.normalize(spec) == expected
 
 
+@pytest.mark.slow
 def test_unindexed_cuda_is_normalised_once_at_config_time():
     cfg = run_mod.to_config(compose(["model=tiny_random", "model.device=cuda"]))
     assert cfg.model.device == "cuda:0"
@@ -79,6 +80,7 @@ def test_staged_forward_threads_select_an_indexed_device(recorded_set_device, de
     assert len(seen) == 4
 
 
+@pytest.mark.slow
 def test_calibration_context_device_is_indexed_and_auto_uses_the_embeddings(shared_model_cache, tmp_path):
     cfg = run_mod.to_config(compose(["model=tiny_random", "model.device=cuda", f"paths.cache_dir={tmp_path}"]))
     (tmp_path / "models").symlink_to(shared_model_cache)

@@ -206,6 +206,7 @@ def test_head_check_catches_a_wrong_head(models, dtype, wrong, monkeypatch):
         score_reference(reference, CharTokenizer(), TEXTS, max_tokens=512, store="hidden")
 
 
+@pytest.mark.slow
 def test_every_slice_of_a_run_shares_one_frozen_head(make_cfg):
     """The frozen reference head is held (and moved to the device) once per run, not once per slice."""
     from harness import models

@@ -61,6 +61,7 @@ def test_fp8_scale_is_the_channel_amax_over_448():
     assert torch.allclose(export_mod.recover_fp8_scale(fake, "channel"), scale, rtol=1e-6, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["kv4", "int8_w8a8", "mxfp4"])
 def test_unrepresentable_schemes_name_what_is_representable(name):
     scheme = OmegaConf.to_object(compose([f"quant={name}", "model=tiny_random"])).quant
@@ -98,6 +99,7 @@ ASYM_LOAD_BUG = pytest.mark.xfail(strict=True, reason="transformers 5.24 + compr
                                    "through compressed-tensors' decompressor in test_every_export_decompresses_exactly")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["int4_g128", "int4_g128_ct", pytest.param("int4_g128_asym", marks=ASYM_LOAD_BUG), "int8",
                                   "gptq_w4g128", pytest.param("awq_w4g128", marks=ASYM_LOAD_BUG), "fp8_w8a16"])
 def test_weight_only_round_trip_gives_identical_logits(name, tmp_path):
@@ -119,6 +121,7 @@ def test_weight_only_round_trip_gives_identical_logits(name, tmp_path):
     assert not torch.equal(ours, full)  # the quantization is really there
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["int4_g128_asym", "int4_g128", "gptq_w4g128", "awq_w4g128"])
 def test_every_export_decompresses_exactly(name, tmp_path):
     prepared, _, targets, kept = _quantized(name)
@@ -128,6 +131,7 @@ def test_every_export_decompresses_exactly(name, tmp_path):
     assert result.format == "pack-quantized" and result.kept == ["lm_head"]
 
 
+@pytest.mark.slow
 def test_fp8_dynamic_round_trip_keeps_the_weights_exactly(tmp_path):
     prepared, _, targets, kept = _quantized("fp8")
     result = export_mod.export(prepared.loaded.model, prepared.loaded.tokenizer, prepared.scheme, tmp_path / "ct",
@@ -138,6 +142,7 @@ def test_fp8_dynamic_round_trip_keeps_the_weights_exactly(tmp_path):
     assert result.format == "float-quantized"
 
 
+@pytest.mark.slow
 def test_export_refuses_a_non_empty_directory(tmp_path):
     prepared, _, targets, kept = _quantized("int8")
     (tmp_path / "keep.txt").write_text("x")
@@ -181,6 +186,7 @@ def test_off_nvfp4_grid_weights_are_not_reproduced():
 BF16_REL = 2.0 ** -8  # compressed-tensors decompresses NVFP4 into bfloat16: half an ulp, relative
 
 
+@pytest.mark.slow
 def test_nvfp4_weights_are_stored_exactly_and_decompress_to_bf16(tmp_path):
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
@@ -203,6 +209,7 @@ def test_nvfp4_weights_are_stored_exactly_and_decompress_to_bf16(tmp_path):
         assert torch.equal(theirs, ours.to(torch.bfloat16).float()), name  # exactly the bf16 rounding
 
 
+@pytest.mark.slow
 def test_nvfp4_in_bfloat16_loads_through_transformers_with_identical_logits(tmp_path):
     """In bfloat16 (the only dtype transformers + compressed-tensors run NVFP4 in) the decompressed weights are
     the harness's bit for bit, and so are the logits."""
@@ -230,6 +237,7 @@ def test_nvfp4_in_bfloat16_loads_through_transformers_with_identical_logits(tmp_
     assert not torch.equal(ours, full)
 
 
+@pytest.mark.slow
 def test_nvfp4_activations_match_when_calibrated_on_the_evaluated_batch(tmp_path):
     """compressed-tensors' NVFP4 activations: dynamic block scales, static input_global_scale. Calibrated on
     the very batch evaluated, it equals the harness's per-call global scale and the logits are identical."""
@@ -274,6 +282,7 @@ def test_nvfp4_with_static_activations_is_refused():
 
 
 # ------------------------------------------------------------------------------ KV cache
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["kv8", "int4_g128_kv8", "gptq_w4g128_kv8"])
 def test_kv_cache_scales_are_written_where_vllm_reads_them(name, tmp_path):
     from safetensors.torch import load_file
@@ -340,6 +349,7 @@ def test_harness_nvfp4_equals_compressed_tensors_at_e4m3_ties():
     assert torch.equal(nvfp4_quantize(x), _ct_nvfp4(x, gs))
 
 
+@pytest.mark.slow
 def test_a_k_scale_outside_an_attention_module_is_refused(tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -39,6 +39,7 @@ def _hf(model, ids, mask, new_tokens, pad, eos):
                           pad_token_id=pad, eos_token_id=sorted(eos) or None)
 
 
+@pytest.mark.slow
 def test_greedy_generate_is_hf_generate_without_stops(tiny):
     _, loaded = tiny
     model, tok = loaded.model, loaded.tokenizer
@@ -48,6 +49,7 @@ def test_greedy_generate_is_hf_generate_without_stops(tiny):
     assert torch.equal(got, expected)
 
 
+@pytest.mark.slow
 def test_rows_that_stop_early_give_the_same_replies_and_leave_the_batch(tiny):
     _, loaded = tiny
     model, tok = loaded.model, loaded.tokenizer
@@ -77,6 +79,7 @@ def test_rows_that_stop_early_give_the_same_replies_and_leave_the_batch(tiny):
     assert sum(rows_per_step) < 5 * len(rows_per_step)
 
 
+@pytest.mark.slow
 def test_the_harness_generator_gives_lm_evals_records(tiny, make_cfg):
     """The whole slice through HFLM with HF generate and through HarnessHFLM: the same per-item records."""
     cfg, loaded = tiny
@@ -97,6 +100,7 @@ def test_an_unknown_generator_is_refused_before_work(make_cfg):
         identity.check_backend(identity.to_config(make_cfg(*TINY, "eval.generator=fast")))
 
 
+@pytest.mark.slow
 def test_shared_context_scoring_matches_full_sequences(tiny, make_cfg):
     """Multiple-choice requests scored with the context run once equal lm-eval's full-sequence scores."""
     from lm_eval.models.huggingface import HFLM

@@ -18,6 +18,7 @@ def gpu_check():
     return module
 
 
+@pytest.mark.slow
 def test_dry_run_runs_every_section(gpu_check, tmp_path):
     out = tmp_path / "gpu_check.json"
     status = gpu_check.cli.main(gpu_check.TOOL, gpu_check.body,

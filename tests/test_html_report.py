@@ -196,6 +196,7 @@ def artifact_dir() -> Path:
     return directory
 
 
+@pytest.mark.slow
 def test_comparison_page_renders_in_chromium(browser, tmp_path):
     report = analyse(synthetic_runs(), CompareOptions(n_resamples=300, margin=0.02))
     written = write_report(report, tmp_path / "report")
@@ -232,6 +233,7 @@ def test_comparison_page_renders_in_chromium(browser, tmp_path):
         assert colours is not None and len(colours) > 50  # not blank: text, tables and plots
 
 
+@pytest.mark.slow
 def test_checks_catch_a_broken_page(browser, tmp_path):
     page = tmp_path / "broken.html"
     page.write_text('<!DOCTYPE html><html><head><meta charset="utf-8"><link rel="icon" href="data:,">'

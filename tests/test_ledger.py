@@ -67,6 +67,7 @@ def test_shapes_alone_give_the_weight_bytes_a_real_quantization_measured():
     assert bits == pytest.approx(measured["bits_per_weight"], rel=1e-12)
 
 
+@pytest.mark.slow
 def test_shapes_match_a_real_quantized_tiny_model_and_its_kv_scheme(tmp_path):
     from harness.report_quant import prepare
 
@@ -112,6 +113,7 @@ def test_cli_on_a_hub_model_reads_no_weights(tmp_path, capsys):
     assert "70.6B parameters, 80 layers, 8 KV heads × 128" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_bad_input(tmp_path, capsys):
     assert ledger.main(["model=llama8b", "gpus=[H1000]", f"out={tmp_path}"]) == 2
     assert "unknown GPU 'H1000'; known: A100, B200, H100, H200, MI300X" in capsys.readouterr().err
@@ -177,6 +179,7 @@ def test_a_tied_embedding_is_read_whole_as_the_output_head():
     assert ledger.decode_read_bytes(1000.0, (10, 4)) == 1000.0 - 9 * 4 * 2
 
 
+@pytest.mark.slow
 def test_kept_linears_count_at_16_bits_in_the_summary_the_ledger_and_the_70b_extrapolation(tmp_path):
     """A mixed scheme (two blocks kept) on the tiny model: the run summary's bits per weight (from the modules
     quant.apply walked) equal the ledger's (from shapes alone) and a hand count; the 70B row uses them."""

@@ -69,6 +69,7 @@ def test_a_silent_lock_of_another_node_is_broken_after_stale_s(tmp_path: Path, c
     assert "no heartbeat for" in caplog.text and "node-that-died" in caplog.text
 
 
+@pytest.mark.slow
 def test_a_live_holder_is_waited_for_and_the_timeout_names_the_lock(tmp_path: Path) -> None:
     path, ready = tmp_path / "x.lock", tmp_path / "ready"
     holder = _python(f"""

@@ -10,6 +10,7 @@ from harness import models
 from harness.config import load_model_config
 
 
+@pytest.mark.slow
 def test_tiny_random_is_a_pure_function_of_its_seed(shared_model_cache, tmp_path):
     (tmp_path / "models").symlink_to(shared_model_cache)
     cfg = load_model_config("tiny_random")
@@ -23,6 +24,7 @@ def test_tiny_random_is_a_pure_function_of_its_seed(shared_model_cache, tmp_path
     assert a.key == b.key != c.key
 
 
+@pytest.mark.slow
 def test_dtype_and_device_come_from_config(shared_model_cache, tmp_path):
     (tmp_path / "models").symlink_to(shared_model_cache)
     cfg = load_model_config("tiny_random")

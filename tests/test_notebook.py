@@ -59,6 +59,7 @@ def _tagged(notebook: nbformat.NotebookNode, tag: str) -> nbformat.NotebookNode:
     return next(cell for cell in notebook.cells if tag in cell.metadata.get("tags", []))
 
 
+@pytest.mark.slow
 def test_notebook_executes_on_tiny_runs(tiny_store, tmp_path):
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     out_dir = tmp_path / "out"

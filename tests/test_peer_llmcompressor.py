@@ -106,6 +106,7 @@ def harness_rtn(loaded, group: int) -> dict[str, torch.Tensor]:
     return {layer.name: model.get_submodule(layer.name).weight.detach().float() for layer in report.layers}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("group", [64, 128])
 def test_rtn_w4a16_each_tool_matches_its_convention_and_differ_only_by_it(tiny, group):
     model_dir, loaded = tiny

@@ -13,6 +13,7 @@ from harness import identity, run as run_mod
 from tests.conftest import TINY_MATH
 
 
+@pytest.mark.slow
 def test_null_scheme_gives_zero_flips_and_zero_kl(make_cfg, tmp_path):
     result = run_mod.run(make_cfg(*TINY_MATH, "quant=none"))
     metrics = result["metrics"]
@@ -56,6 +57,7 @@ def test_int4_run_writes_results_and_logs_mlflow(make_cfg, tmp_path):
     assert {"items.parquet", "summary.json", "config.yaml"} <= artifacts
 
 
+@pytest.mark.slow
 def test_run_leaves_the_callers_config_as_given_and_writes_summary_once(make_cfg, tmp_path, monkeypatch):
     cfg = identity.to_config(make_cfg(*TINY_MATH, "quant=int4_g128", "tracking.tags.sweep_id=night-1",
                                       "tracking.enabled=false", "runtime.threads=1"))
@@ -73,6 +75,7 @@ def test_run_leaves_the_callers_config_as_given_and_writes_summary_once(make_cfg
     assert on_disk["runtime"] == {"threads": 1, "threads_from": "runtime.threads", "reference_process": []} and torch.get_num_threads() == 1
 
 
+@pytest.mark.slow
 def test_records_are_on_disk_before_statistics_fail(make_cfg, tmp_path, monkeypatch):
     from harness import stats
 
@@ -93,6 +96,7 @@ def test_records_are_on_disk_before_statistics_fail(make_cfg, tmp_path, monkeypa
     assert (directory / "checkpoint").exists()  # ... from the kept lm-eval checkpoint, without re-evaluating
 
 
+@pytest.mark.slow
 def test_second_scheme_reuses_the_reference(make_cfg, tmp_path, caplog):
     first = run_mod.run(make_cfg(*TINY_MATH, "quant=int8"))
     second = run_mod.run(make_cfg(*TINY_MATH, "quant=int4"))
@@ -101,6 +105,7 @@ def test_second_scheme_reuses_the_reference(make_cfg, tmp_path, caplog):
     assert second["timings"]["reference"] < first["timings"]["reference"]
 
 
+@pytest.mark.slow
 def test_finished_config_is_reused_not_recomputed(make_cfg, tmp_path):
     cfg = make_cfg(*TINY_MATH, "quant=int8")
     first = run_mod.run(cfg)
@@ -112,6 +117,7 @@ def test_finished_config_is_reused_not_recomputed(make_cfg, tmp_path):
     assert len(runs) == 1  # logging is idempotent
 
 
+@pytest.mark.slow
 def test_batch_composition_does_not_change_answers(make_cfg, tmp_path):
     one = run_mod.run(make_cfg(*TINY_MATH, "quant=none", "eval.batch_size=1", "tracking.enabled=false"))
     eight = run_mod.run(make_cfg(*TINY_MATH, "quant=none", "eval.batch_size=7", "tracking.enabled=false",

@@ -24,6 +24,7 @@ from tests.conftest import TINY_MATH
 SPLIT = ["model.device=auto", "+model.max_memory={cpu: 51000KB, disk: 1GB}"]
 
 
+@pytest.mark.slow
 def test_split_places_later_modules_on_disk(shared_model_cache, tmp_path):
     (tmp_path / "models").symlink_to(shared_model_cache)
     cfg = load_model_config("tiny_random")
@@ -34,6 +35,7 @@ def test_split_places_later_modules_on_disk(shared_model_cache, tmp_path):
     assert "lm_head.weight" in offloaded(model) and "model.embed_tokens.weight" not in offloaded(model)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["none", "kv8"])
 def test_split_run_matches_the_unsplit_run_item_for_item(make_cfg, tmp_path, scheme):
     # One thread in both: CPU matmuls sum in a thread-count-dependent order, and a CPU job with more
@@ -55,6 +57,7 @@ def test_split_run_matches_the_unsplit_run_item_for_item(make_cfg, tmp_path, sch
         assert split["metrics"]["math/kl_mean"] == 0.0
 
 
+@pytest.mark.slow
 def test_weight_scheme_on_offloaded_weights_is_refused_before_the_reference(make_cfg, monkeypatch):
     def never(*args, **kwargs):
         raise AssertionError("the reference was computed before the placement was checked")
@@ -63,6 +66,7 @@ def test_weight_scheme_on_offloaded_weights_is_refused_before_the_reference(make
         run_mod.run(make_cfg(*TINY_MATH, "quant=int4_g128", "tracking.enabled=false", *SPLIT))
 
 
+@pytest.mark.slow
 def test_max_memory_that_cannot_hold_the_model_is_a_clear_error(shared_model_cache, tmp_path):
     (tmp_path / "models").symlink_to(shared_model_cache)
     cfg = load_model_config("tiny_random")
@@ -74,6 +78,7 @@ def test_max_memory_that_cannot_hold_the_model_is_a_clear_error(shared_model_cac
         models.load(cfg, tmp_path)
 
 
+@pytest.mark.slow
 def test_frozen_head_copy_of_an_offloaded_head_has_real_weights(shared_model_cache, tmp_path):
     from harness.divergence import OutputHead
     (tmp_path / "models").symlink_to(shared_model_cache)

@@ -57,6 +57,7 @@ def test_runs_without_generation_cannot_give_a_decode_rate(tmp_path):
     assert plan_mod.throughput_from_results(tmp_path, cfg, "CPU (2 cores)") is None
 
 
+@pytest.mark.slow
 def test_plan_sweep_uses_a_finished_runs_throughput(make_cfg, tmp_path, cache_dir, capsys):
     """A real run's summary.json, its stage times set to known rates: the plan must estimate with those."""
     from harness import run as run_mod
@@ -81,6 +82,7 @@ def test_plan_sweep_uses_a_finished_runs_throughput(make_cfg, tmp_path, cache_di
 LLAMA8B_PARAMS = 32 * (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096) + 2 * 128256 * 4096 + 65 * 4096
 
 
+@pytest.mark.slow
 def test_a_gpu_sweep_is_planned_on_a_machine_without_cuda_or_hub_loading_nothing(monkeypatch, tmp_path, cache_dir):
     """model=llama8b (device cuda) on a login node: shapes from the packaged table or a local config.json, rates a
     roofline for the GPU named, tokens with the stand-in tokenizer; no weights are loaded, and the plan says so."""

@@ -52,6 +52,7 @@ def test_the_solver_finds_the_brute_force_optimum(seed):
         assert choice.predicted_kl == pytest.approx(brute_force(units, bits_budget=bits), abs=1e-12)
 
 
+@pytest.mark.slow
 def test_exact_at_8_bit_kls_against_brute_force_on_many_random_problems():
     """KLs of ~2e-6 are HiGHS's tolerance: unscaled, 77 of 200 such problems came back sub-optimal (up to 33x
     the least KL) and 57 of 200 over their KL budget. Up to 16 units, KL scales 2e-6 and 0.02, both budgets,
@@ -120,6 +121,7 @@ def test_below_frontier():
     assert recommend.dominated_by(frontier.assign(scheme=["a", "b", "c"]), 6.0, 0.06) == []  # Pareto-optimal
 
 
+@pytest.mark.slow
 def test_recommendation_on_the_tiny_model_end_to_end(make_cfg, tmp_path):
     from harness.quant.base import target_linears
     from harness.report_quant import prepare

@@ -5,6 +5,7 @@ import json
 import logging
 import time
 
+import pytest
 import torch
 
 from harness import models
@@ -15,6 +16,7 @@ from harness.slices import resolve
 from tests.test_sweeps import TINY
 
 
+@pytest.mark.slow
 def test_a_live_foreign_lease_defers_and_a_vanished_one_is_computed_from_a_reloaded_model(make_cfg, caplog):
     cfg = to_config(make_cfg(*TINY, "quant=none"))
     cache = Cache(cfg.paths.cache_dir)

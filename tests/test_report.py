@@ -150,6 +150,7 @@ def test_bucket_labels_that_are_not_position_buckets_are_refused():
         report.bucket_start("early")
 
 
+@pytest.mark.slow
 def test_a_tiny_random_run_reports_kl_by_position_and_plots_it(make_cfg, tmp_path):
     """End to end: the run's report.md lists every per-position row of its token_stats.parquet, and
     plot_kl_by_position draws them from a Comparison rebuilt off the written parquet."""

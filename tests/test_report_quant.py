@@ -68,6 +68,7 @@ def test_metrics_and_gpu_parsing():
         decode_floor_ms(1.0, 0.0)
 
 
+@pytest.mark.slow
 def test_cli_on_tiny_model_writes_tables_with_correct_sqnr(tmp_path, cache_dir):
     from harness import models
     from harness.config import compose

@@ -21,6 +21,7 @@ def _vm_hwm_gb() -> float:
     pytest.skip("no /proc/self/status")
 
 
+@pytest.mark.slow
 def test_meter_counts_prefill_and_decode_tokens_of_a_real_model(make_cfg):
     cfg = to_config(make_cfg("model=tiny_random"))
     model = models.load(cfg.model, cfg.paths.cache_dir).model
@@ -46,6 +47,7 @@ def test_meter_counts_prefill_and_decode_tokens_of_a_real_model(make_cfg):
     assert "cuda_peak_gb" not in meter.resources() or torch.cuda.is_available()
 
 
+@pytest.mark.slow
 def test_run_records_memory_and_throughput_in_summary_and_mlflow(make_cfg, tmp_path):
     result = run_mod.run(make_cfg(*TINY_MATH, "quant=int4_g128"))
     directory = next((tmp_path / "results").glob("*"))

@@ -66,6 +66,7 @@ def kill_when_checkpointed(args: list[str], cwd: Path, find_db: Callable[[], lis
 # ------------------------------------------------------------------ in-process (fast) --------
 
 
+@pytest.mark.slow
 def test_checkpoint_replays_stored_requests_and_computes_only_the_rest(make_cfg, tmp_path):
     cfg = identity.to_config(make_cfg(*TINY, "quant=none", "eval.batch_size=1"))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)
@@ -95,6 +96,7 @@ def test_checkpoint_replays_stored_requests_and_computes_only_the_rest(make_cfg,
     assert evaluate.checkpoint_rows(prefix) == total
 
 
+@pytest.mark.slow
 def test_an_lm_without_checkpoint_does_not_write_into_a_previous_one(make_cfg, tmp_path):
     cfg = identity.to_config(make_cfg(*TINY, "quant=none"))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)

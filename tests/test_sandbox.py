@@ -71,6 +71,7 @@ def test_failing_assert_fails() -> None:
     assert check_program("raise SystemExit(3)", **FAST) is False
 
 
+@pytest.mark.slow
 def test_infinite_loop_times_out_and_its_group_dies() -> None:
     result = _run("""
         import os
@@ -84,6 +85,7 @@ def test_infinite_loop_times_out_and_its_group_dies() -> None:
     assert _live_processes(pgid=leader) == []
 
 
+@pytest.mark.slow
 def test_fork_bomb_is_bounded_and_leaves_nothing_behind() -> None:
     result = _run("""
         import os, time
@@ -323,6 +325,7 @@ def test_environment_is_minimal_and_workdir_is_removed(tmp_path: Path, monkeypat
     assert (outside / "keep.txt").read_text() == "keep me"
 
 
+@pytest.mark.slow
 def test_cpu_limit_counts_as_timeout_and_signal_death_as_killed() -> None:
     spinning = _run("while True: pass", timeout_s=5.0, cpu_s=1)
     assert (spinning.status, spinning.returncode) == ("timeout", -signal.SIGXCPU)

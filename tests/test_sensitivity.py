@@ -129,6 +129,7 @@ def test_activation_and_smoothing_schemes_are_undone_bitwise(scheme):
     assert (table["kl_mean"] > 0).all()
 
 
+@pytest.mark.slow
 def test_cli_writes_csv_png_and_logs_an_mlflow_run(tmp_path, cache_dir):
     from harness.sensitivity import KIND_TAG, main
 

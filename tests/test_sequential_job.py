@@ -163,6 +163,7 @@ def test_a_round_prompted_differently_from_the_reference_is_refused(monkeypatch)
         _run(monkeypatch, reference, {item: 1.0 for item in reference["item_id"]}, _rule(0.05), prompt_suffix=" x")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("override, message", [
     (["eval.sequential_round_items=0"], "must be >= 1"),
     (["eval.sequential_method=bayes"], "is unknown"),
@@ -184,6 +185,7 @@ def test_registry_slices_with_few_shot_prompts_are_refused(make_cfg) -> None:
         sequential.check_config(cfg, [registry])
 
 
+@pytest.mark.slow
 def test_run_key_is_unchanged_by_the_option_off_and_covers_the_stop_rule_on(make_cfg) -> None:
     base = identity.to_config(make_cfg("model=tiny_random"))
     config = identity.config_dict(base)
@@ -225,6 +227,7 @@ def test_a_sequential_job_writes_what_it_used_and_the_gate_reads_its_sequence(ma
     assert (directory / "sequence.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_a_resumed_sequential_slice_replays_its_rounds_and_reaches_the_same_stop(make_cfg, tmp_path) -> None:
     """The rounds share the run's request checkpoint: with a third of its rows forgotten (a killed job),
     the same slice computes only those and gives the same records, stop and trajectory."""
@@ -264,6 +267,7 @@ def test_a_resumed_sequential_slice_replays_its_rounds_and_reaches_the_same_stop
     pd.testing.assert_frame_equal(first[3], second[3])
 
 
+@pytest.mark.slow
 def test_spending_does_not_stop_for_a_pass_the_gate_would_not_accept(monkeypatch) -> None:
     """10 sources of 20 items, no change, a 30-pt margin: the score test at the rounds passes early, but
     with fewer than gate.min_clusters_pass clusters the gate would call that pass inconclusive, so the job

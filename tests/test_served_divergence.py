@@ -124,6 +124,7 @@ def test_headline_is_the_served_reply_and_the_plain_text_kl_keeps_its_name():
     assert older.loc[("a", "all"), "kl_mean"] == pytest.approx(tokens.loc[tokens["slice"] == "a", "kl"].mean())
 
 
+@pytest.mark.slow
 def test_reference_key_marks_served_texts(make_cfg):
     [math] = resolve(identity.to_config(make_cfg("slices=[math]")).slices)
     loaded = type("Loaded", (), {"identity": {"m": 1}})()
@@ -143,6 +144,7 @@ def tiny(shared_model_cache):
     return models.load(cfg.model, shared_model_cache.parent)
 
 
+@pytest.mark.slow
 def test_prompt_ids_are_lm_evals_own_encoding(tiny):
     lm = evaluate.make_lm(tiny.model, tiny.tokenizer, evaluate.EvalSettings())
     chat = tiny.tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], tokenize=False,

@@ -75,6 +75,7 @@ def test_unknown_size_or_source_names_the_choices():
         generate.items(source="mbpp")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task_id", ["HumanEval/0", "HumanEval/2", "HumanEval/38", "HumanEval/53"])
 def test_canonical_solution_passes_and_wrong_one_fails(task_id):
     problem = _raw_humaneval()[task_id]
@@ -83,6 +84,7 @@ def test_canonical_solution_passes_and_wrong_one_fails(task_id):
     assert utils.process_results(doc, ["    return None\n"]) == {"acc": 0}
 
 
+@pytest.mark.slow
 def test_synthetic_reference_bodies_pass_and_asserts_bite():
     for item in generate.items(n_items=18, source="synthetic"):  # one of every template
         assert utils.run_tests(item, item["canonical_solution"]).passed, item["id"]
@@ -90,6 +92,7 @@ def test_synthetic_reference_bodies_pass_and_asserts_bite():
     assert not utils.run_tests(add, "    return x + 1000\n").passed
 
 
+@pytest.mark.slow
 def test_response_shapes_chat_and_plain():
     problem = _raw_humaneval()["HumanEval/53"]  # add(x, y)
     doc = {**problem, "timeout_s": 10.0}
@@ -105,6 +108,7 @@ def test_response_shapes_chat_and_plain():
     assert not utils.redefines("    def add(x, y):\n        return 0", "add")
 
 
+@pytest.mark.slow
 def test_hostile_completions_score_wrong_and_touch_nothing(tmp_path: Path):
     problem = _raw_humaneval()["HumanEval/53"]
     doc = {**problem, "timeout_s": 2.0, "memory_mb": 256}
@@ -140,6 +144,7 @@ def one_torch_thread():
     torch.set_num_threads(previous)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chat_template", [False, True])
 def test_end_to_end_on_tiny_random_model(tmp_path: Path, one_torch_thread: None, chat_template: bool):
     from harness.config import compose

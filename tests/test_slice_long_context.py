@@ -59,6 +59,7 @@ def test_items_independent_of_string_hash_seed() -> None:
     assert len(outputs) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size,max_length,buckets", [
     ("quick", 8192, {512, 1024}),
     ("full", 8192, {1024, 2048, 4096, 8192}),
@@ -146,6 +147,7 @@ def test_filler_is_varied_not_a_repeated_sentence() -> None:
     assert not set(filler.KEY_ADJECTIVES + filler.KEY_NOUNS) & set(re.findall(r"[a-z]+", text.lower()))
 
 
+@pytest.mark.slow
 def test_token_lengths_fill_the_bucket_with_the_models_tokenizer(smollm2_tokenizer, tokenizer_dir) -> None:
     items = generate.items(size="full", seed=2, n_items=3, tokenizer=tokenizer_dir, max_length=4096)
     assert {i["bucket"] for i in items} == {1024, 2048, 4096}
@@ -193,6 +195,7 @@ def test_scorer(response: str, answers: list[str], distractors: list[str], expec
     assert utils.process_results(doc, [response]) == {"acc": int(expected)}
 
 
+@pytest.mark.slow
 def test_lm_eval_run_on_tiny_model() -> None:
     """The slice's tasks load in lm-eval and yield one record per item with its sub-slice and cluster."""
     from harness import evaluate, models

@@ -152,6 +152,7 @@ def test_scorer_normalisation(response: str, gold: str, expected: bool) -> None:
     assert utils.process_results({"answer": gold}, [response]) == {"acc": int(expected)}
 
 
+@pytest.mark.slow
 def test_lm_eval_run_on_tiny_model() -> None:
     """Both tasks load in lm-eval and yield one record per item with language sub-slices
     (three languages of three scripts, selected through the slice's metadata, to stay fast)."""

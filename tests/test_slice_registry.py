@@ -23,6 +23,7 @@ def test_every_default_slice_names_a_full_slice_that_exists():
     assert defaults and [f"{name}_full" for name in defaults] == FULL_SLICES
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FULL_SLICES)
 def test_full_slice_composes_as_registry_and_fails_fast_offline(name, make_cfg, monkeypatch):
     cfg = run_mod.to_config(make_cfg("model=tiny_random", f"slices=[{name}]"))

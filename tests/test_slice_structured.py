@@ -163,6 +163,7 @@ def one_torch_thread():
     torch.set_num_threads(previous)
 
 
+@pytest.mark.slow
 def test_end_to_end_on_tiny_random_model(tmp_path: Path, one_torch_thread: None):
     from harness import models
     from harness.config import compose

@@ -124,6 +124,7 @@ def test_item_bootstrap_close_to_scipy_paired_percentile() -> None:
     assert ours == pytest.approx((theirs.low, theirs.high), abs=0.003)
 
 
+@pytest.mark.slow
 def test_score_interval_coverage() -> None:
     """95% CI covers the true Δ of correlated paired binary data at close to its nominal rate."""
     rng = np.random.default_rng(2024)
@@ -138,6 +139,7 @@ def test_score_interval_coverage() -> None:
     assert 0.92 <= hits / 300 <= 0.98
 
 
+@pytest.mark.slow
 def test_cluster_coverage_and_naive_undercoverage() -> None:
     """With flip propensity shared inside clusters, only the clustered score interval keeps its coverage."""
     rng = np.random.default_rng(7)

@@ -48,6 +48,7 @@ def test_repeated_significance_tests_at_196(looks, error):
 
 # ---------------------------------------------------------------- (b) other computations of the same law
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spending", gs.SPENDING)
 def test_against_multivariate_normal_cdf(spending):
     fractions = np.array([0.2, 0.45, 0.7, 1.0])
@@ -111,6 +112,7 @@ def _slice(rng, n=600, clusters=30, loss=0.08, gain=0.08):
     return diffs, codes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(4))
 def test_last_look_reads_the_score_interval_at_its_nominal_level(seed):
     rng = np.random.default_rng(seed)
@@ -156,6 +158,7 @@ def test_clear_drop_in_a_clustered_slice_fails_early():
 
 # ---------------------------------------------------------------- (e) same rounds and NaN handling as sequential_test
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("n", "clusters", "round_items"), [(300, 300, None), (500, 25, None), (90, 9, 8),
                                                              (240, 12, 50), (7, 7, None)])
 def test_rounds_and_nan_like_sequential_test(n, clusters, round_items):
@@ -186,6 +189,7 @@ def test_invalid_input_like_sequential_test():
 
 # ---------------------------------------------------------------- the benchmark's vectorised copy reads the same
 
+@pytest.mark.slow
 def test_bench_sequential_spending_decisions_match_spending_test():
     import importlib.util
     import sys

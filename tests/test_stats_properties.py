@@ -86,6 +86,7 @@ def _check(result, margin: float | None, min_clusters: int = MIN_CLUSTERS) -> No
     assert (result.verdict == "too few clusters") == (result.n_clusters < min_clusters)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(items=paired_items(), margin=st.sampled_from([None, 0.01, 0.05]), level=st.sampled_from([0.8, 0.95]))
 @example(items=(np.array([1.0]), np.array([0.0]), None), margin=0.01, level=0.95)  # n = 1
@@ -108,6 +109,7 @@ def test_flips_cancelling_in_every_cluster_floor_the_se(n_clusters: int) -> None
     assert low < -1 / n and high > 1 / n
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(items=paired_items(), min_clusters=st.integers(1, 12))
 def test_min_clusters_decides_too_few_clusters(items, min_clusters: int) -> None:
@@ -116,6 +118,7 @@ def test_min_clusters_decides_too_few_clusters(items, min_clusters: int) -> None
     _check(result, None, min_clusters)
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(items=paired_items(), groups=st.integers(1, 3))
 def test_compare_frame_keeps_n_clusters_and_never_raises(items, groups: int) -> None:

@@ -158,6 +158,7 @@ def test_unclustered_and_uninflated_slices_keep_g_minus_one_degrees_of_freedom()
     assert test.deff == 1.0 and test.dof == 9
 
 
+@pytest.mark.slow
 def test_few_clusters_with_concentrated_flips_hold_the_false_pass_rate() -> None:
     """Issue 19's open case, by simulation: 20 clusters of 50 items, losses only, cluster loss rates
     Beta-distributed with ICC 0.05, true Δ exactly -m (m = 2 pt, reference accuracy 0.9). Passing
@@ -264,6 +265,7 @@ def _paired_data(draw):
     return ref, quant, clusters, margin, level
 
 
+@pytest.mark.slow
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_paired_data())
 def test_no_verdict_or_p_value_contradicts_the_interval(data) -> None:

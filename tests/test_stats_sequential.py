@@ -60,6 +60,7 @@ def _reference_bounds(sums: list[float], sizes: list[float], alpha: float, grid_
     return [to_delta(v) for v in lower], [to_delta(v) for v in upper]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("horizon", [None, 200])
 @pytest.mark.parametrize("case", ["flips", "partial", "clusters"])
 def test_vectorised_bounds_match_a_scalar_loop(case: str, horizon: int | None) -> None:
@@ -136,6 +137,7 @@ def _mc_limit(reps: int) -> float:
     return ALPHA + 3 * math.sqrt(ALPHA * (1 - ALPHA) / reps)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", ["rare flips one way", "rare flips both ways", "partial credit",
                                       "clusters equal", "clusters unequal, heavy-tailed"])
 def test_running_bounds_cover_the_mean_at_every_look(scenario: str) -> None:

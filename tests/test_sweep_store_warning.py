@@ -31,6 +31,7 @@ def hydra_job():
     HydraConfig.instance().cfg = None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["slurm", "slurm_70b"])
 def test_slurm_sweep_with_sqlite_store_warns_at_start(hydra_job, make_cfg, caplog, launcher, tmp_path):
     hydra_job(launcher)
@@ -42,6 +43,7 @@ def test_slurm_sweep_with_sqlite_store_warns_at_start(hydra_job, make_cfg, caplo
     assert "tracking.uri=http://<host>:5000" in line and "README: Sweeps on a cluster" in line
 
 
+@pytest.mark.slow
 def test_no_warning_with_a_server_or_another_launcher_or_a_single_run(hydra_job):
     hydra_job("slurm")
     assert sweep.shared_store_warning("http://mlflow:5000", sweep.hydra_launcher()) is None

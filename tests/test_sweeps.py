@@ -95,6 +95,7 @@ def test_sweep_id_is_explicit_else_absent_outside_a_multirun():
     assert sweep.tags_with_sweep_id({"sweep_id": "", SWEEP_TAG: "set-in-code"}) == {SWEEP_TAG: "set-in-code"}
 
 
+@pytest.mark.slow
 def test_a_later_sweep_reuses_results_but_logs_its_own_run(make_cfg, tmp_path):
     base = [*TINY, "quant=int8"]
     first = run_mod.run(make_cfg(*base, "tracking.tags.sweep_id=night-1"))
@@ -213,6 +214,7 @@ def test_submitit_local_launcher_runs_each_job_in_its_own_process(tmp_path, cach
 # ------------------------------------------------------------------ plan (dry run) -----------
 
 
+@pytest.mark.slow
 def test_plan_counts_each_jobs_tokens_without_evaluating(tmp_path, cache_dir):
     from harness import plan as plan_mod
     from harness.cache import Cache
@@ -243,6 +245,7 @@ def test_plan_counts_each_jobs_tokens_without_evaluating(tmp_path, cache_dir):
     assert not (tmp_path / "results").exists() and not (tmp_path / "mlflow.db").exists()
 
 
+@pytest.mark.slow
 def test_plan_measures_throughput_and_skips_finished_work(make_cfg, tmp_path, cache_dir, capsys):
     from harness import plan as plan_mod
 

@@ -95,6 +95,7 @@ def test_a_start_after_the_end_is_dropped():
     assert tracking.job_times({"started_at": 1_790_000_100, "ended_at": 1_790_000_000}) == (None, 1_790_000_000)
 
 
+@pytest.mark.slow
 def test_logged_run_spans_the_job_not_the_logging(tmp_path, uri, experiment):
     directory = write_result_dir(tmp_path / "results", started_at=1_790_000_000.0, ended_at=1_790_000_725.5)
     run_id = tracking.log_results(directory, uri=uri, experiment=experiment)
@@ -108,6 +109,7 @@ def test_logged_run_spans_the_job_not_the_logging(tmp_path, uri, experiment):
     only_run(uri, experiment)
 
 
+@pytest.mark.slow
 def test_run_from_an_older_summary_lasts_as_long_as_its_stages(tmp_path, uri, experiment):
     tracking.log_results(write_result_dir(tmp_path / "results"), uri=uri, experiment=experiment)
     run = only_run(uri, experiment)

@@ -102,6 +102,7 @@ def _check_and_rewrite(root: str, barrier, results) -> None:
         results.put("recomputed")
 
 
+@pytest.mark.slow
 def test_two_processes_finding_one_damaged_entry_recompute_it_once(tmp_path):
     cache = Cache(tmp_path)
     entry = _write_entry(cache)

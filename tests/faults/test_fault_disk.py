@@ -81,6 +81,7 @@ def test_an_unusable_cache_dir_is_refused_at_start_with_the_fix(tmp_path, monkey
     assert "set paths.cache_dir" in str(caught.value) and not list((tmp_path / "cache").iterdir())
 
 
+@pytest.mark.slow
 def test_a_job_with_an_unusable_cache_dir_prints_one_line_before_any_work(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
@@ -155,6 +156,7 @@ def _bytes_under(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
 
 
+@pytest.mark.slow
 def test_the_estimate_is_at_least_what_a_job_writes(make_cfg, tmp_path, cache_dir):
     """An upper bound, checked against a real job: results directory and reference cache, measured after it."""
     from harness import identity, models

@@ -60,6 +60,7 @@ def _records(cfg, loaded, slice_):
     return records
 
 
+@pytest.mark.slow
 def test_an_evaluation_that_runs_out_of_memory_gives_the_undisturbed_records(make_cfg, caplog):
     """Any forward of more than two rows fails as a GPU out of memory would; the records stay the same."""
     cfg = identity.to_config(make_cfg(*TINY_MATH, "quant=none", "eval.batch_size=8"))

@@ -34,6 +34,7 @@ def _holder(lock: Path, progress_for_s: float, then_s: float) -> subprocess.Pope
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_a_holder_that_stops_making_progress_lets_its_lock_go_stale(tmp_path, caplog):
     lock = tmp_path / "reference" / "k.lease"
     lock.parent.mkdir()
@@ -52,6 +53,7 @@ def test_a_holder_that_stops_making_progress_lets_its_lock_go_stale(tmp_path, ca
     assert "no progress for" in err and "its heartbeat stops" in err
 
 
+@pytest.mark.slow
 def test_a_holder_that_keeps_making_progress_keeps_its_lock(tmp_path):
     lock = tmp_path / "k.lease"
     holder = _holder(lock, progress_for_s=60, then_s=0)

@@ -171,6 +171,7 @@ def _on_nvfp4_grid(values: torch.Tensor) -> bool:
     return bool(ok.all())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,on_grid", [("mxfp4", lambda v: _on_mx_grid(v, 32)), ("nvfp4", _on_nvfp4_grid)])
 def test_w4a4_quantizes_weights_and_every_input_onto_the_fp4_grid(monkeypatch, name, on_grid):
     ids = tokens()

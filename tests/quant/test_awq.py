@@ -78,6 +78,7 @@ def test_weight_mean_by_hand() -> None:
     torch.testing.assert_close(got, torch.tensor([0.75, 0.5]), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,kv_heads", [("llama", 4), ("llama", 2), ("gemma3", 4)])
 @pytest.mark.parametrize("duo_scaling", [False, True])
 @torch.no_grad()

@@ -27,6 +27,7 @@ def tokenizer(shared_model_cache):
     return models.load_tokenizer(load_model_config("smollm2_135m"), Cache(shared_model_cache.parent))
 
 
+@pytest.mark.slow
 def test_chat_windows_follow_the_chat_template(tokenizer):
     config = CalibrationConfig(num_samples=4, seq_len=256, format="chat")
     chat = calibration_tokens(tokenizer, config, chat=True)
@@ -73,6 +74,7 @@ def test_chat_on_a_model_without_a_template_fails_before_any_work(make_cfg, monk
     assert loads == []
 
 
+@pytest.mark.slow
 def test_the_chat_format_is_part_of_the_calibrated_key():
     scheme = to_config(compose(["quant=gptq_w4g128"])).quant
     plain = calibrated_key("m", scheme, "h")
@@ -83,6 +85,7 @@ def test_the_chat_format_is_part_of_the_calibrated_key():
     assert calibrated_key("m", replace(scheme, calibration=replace(scheme.calibration, format="plain")), "h") == plain
 
 
+@pytest.mark.slow
 def test_context_follows_the_model_and_hashes_the_chat_windows(tokenizer, tmp_path):
     config = CalibrationConfig(num_samples=2, seq_len=128)
     scheme = to_config(compose(["quant=gptq_w4g128"])).quant

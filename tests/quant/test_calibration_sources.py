@@ -41,6 +41,7 @@ def scheme(preset: str, *overrides: str):
     return OmegaConf.to_object(compose(["model=tiny_random", f"quant={preset}", *overrides])).quant
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", OFFLINE)
 def test_each_source_yields_deterministic_windows_of_the_right_shape(tokenizer, source):
     config = CalibrationConfig(source=source, num_samples=6, seq_len=96, seed=3)
@@ -58,11 +59,13 @@ def test_each_source_yields_deterministic_windows_of_the_right_shape(tokenizer, 
     assert sum(bool(marker(w)) for w in windows) >= 5, windows
 
 
+@pytest.mark.slow
 def test_sources_give_different_windows(tokenizer):
     sets = {s: calibration_tokens(tokenizer, CalibrationConfig(source=s, num_samples=4, seq_len=64)) for s in OFFLINE}
     assert len({stable_hash(t.tolist()) for t in sets.values()}) == len(OFFLINE)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.version_info[:2] != MAIN_DEFAULT_WINDOWS["python"],
                     reason="the prose source is the installed standard library's docstrings")
 def test_default_windows_are_unchanged_from_before_sources(tokenizer):
@@ -72,6 +75,7 @@ def test_default_windows_are_unchanged_from_before_sources(tokenizer):
         assert stable_hash(calibration_tokens(tokenizer, config).tolist(), 16) == MAIN_DEFAULT_WINDOWS["hash"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", sorted(MAIN_KEYS))
 def test_default_cache_key_is_unchanged_and_every_source_has_its_own(preset):
     assert CalibrationConfig().source == "offline"
@@ -95,6 +99,7 @@ def test_the_text_digest_is_part_of_a_non_default_key(monkeypatch):
     assert calibrated_key("m", scheme("gptq_w4g128"), "h") == MAIN_KEYS["gptq_w4g128"]  # the default has none
 
 
+@pytest.mark.slow
 def test_unknown_source_and_missing_dataset_are_refused_at_config_time():
     with pytest.raises(SchemeError) as error:
         validate_scheme(scheme("gptq_w4g128", "quant.calibration.source=wiki"))
@@ -124,6 +129,7 @@ def test_math_source_equations_are_true():
     assert "apples" not in text and "coins" not in text  # the math slice's word-problem templates
 
 
+@pytest.mark.slow
 def test_code_source_is_parseable_python_without_humaneval():
     from harness.calibration_sources.code import MODULES, module_sources
     from slices.code.generate import humaneval_problems
@@ -142,6 +148,7 @@ def _script(char: str) -> str:
     return unicodedata.name(char, "?").split()[0]
 
 
+@pytest.mark.slow
 def test_multilingual_source_covers_scripts_but_not_the_slice_vocabulary():
     from babel import Locale
 
@@ -162,6 +169,7 @@ def test_multilingual_source_covers_scripts_but_not_the_slice_vocabulary():
 SWEEP = ["quant=gptq_w4g128,awq_w4g128", "quant.calibration.source=prose,code", "slices=[code,math,multilingual]"]
 
 
+@pytest.mark.slow
 def test_the_documented_calibration_domain_sweep_plans(tmp_path, cache_dir):
     """`python -m harness -m <SWEEP>` (the README's command) expands to four valid jobs."""
     from harness import plan as plan_mod

@@ -283,6 +283,7 @@ PRESETS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_presets_compose_and_validate(preset: str) -> None:
     scheme = OmegaConf.to_object(compose([f"quant={preset}"]).quant)

@@ -44,6 +44,7 @@ def test_the_preset_composes_and_bad_ranges_are_refused():
         validate_spec(typo.weights, "weights")
 
 
+@pytest.mark.slow
 def test_gptq_on_the_full_range_grid_uses_code_minus_eight():
     from harness import quant
     from harness.report_quant import prepare

@@ -431,6 +431,7 @@ def test_static_scheme_without_calibration_data_and_unwrappable_attention_are_re
         install_kv_quant(model, FP8_TOKEN)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides, keys_format, weights", [
     (["quant=kv8"], "fp8_e4m3", None),
     (["quant=kv4"], "int", None),

@@ -25,6 +25,7 @@ def _model(attn: str) -> LlamaForCausalLM:
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("padded", [False, True])
 @torch.no_grad()

@@ -22,6 +22,7 @@ def scheme_of(*overrides: str) -> QuantConfig:
     return quant.with_model_defaults(OmegaConf.to_object(compose(["model=tiny_random", *overrides])).quant, False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset, passes", [
     ("int4_g128", []), ("none", []), ("fp8", []),
     ("kv8", ["static KV-cache scales"]), ("fp8_static", ["static activation scales"]),
@@ -34,6 +35,7 @@ def test_calibration_passes_follow_the_scheme_not_the_method_name(preset, passes
     assert [f.split(" (")[0] for f in found] == passes
 
 
+@pytest.mark.slow
 def test_a_missing_calibration_context_is_refused_before_any_weight_changes():
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
@@ -47,6 +49,7 @@ def test_a_missing_calibration_context_is_refused_before_any_weight_changes():
     assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear  # no activation quantizer installed
 
 
+@pytest.mark.slow
 def test_settings_and_plugins_are_checked_with_the_reason():
     with pytest.raises(SchemeError, match="quant.gptq"):
         quant.validate_scheme(scheme_of("quant=gptq_w4g128", "+quant.settings.damp=0.1"))
@@ -58,6 +61,7 @@ def test_settings_and_plugins_are_checked_with_the_reason():
         quant.validate_scheme(scheme_of("quant=int8_w8a8_sq", "quant.smoothquant.alpha=1.5"))
 
 
+@pytest.mark.slow
 def test_plan_counts_calibration_of_static_scales_under_rtn(tmp_path, cache_dir):
     from harness import plan as plan_mod
 
@@ -124,6 +128,7 @@ def toy_method(tmp_path, monkeypatch):
     sys.modules.pop("toy_clip_method", None)
 
 
+@pytest.mark.slow
 def test_a_method_from_one_module_and_one_yaml_runs_end_to_end(toy_method, make_cfg, tmp_path, cache_dir):
     from harness import models
     from harness import run as run_mod

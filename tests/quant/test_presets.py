@@ -43,6 +43,7 @@ def test_required_presets_exist():
     assert REQUIRED <= set(PRESETS), sorted(REQUIRED - set(PRESETS))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", PRESETS)
 def test_preset_composes_validates_and_fits_the_tiny_model(name, tiny_meta_model):
     scheme = scheme_of(f"quant={name}")
@@ -64,6 +65,7 @@ def test_keep_patterns_are_overridable(tiny_meta_model):
     assert "lm_head" in quant.target_linears(tiny_meta_model, everything)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,bits", [("fp8", 8 + 32 / 128), ("fp8_block", 8 + 32 / 128 ** 2), ("nvfp4", 4.5),
                                        ("mxfp4", 4.25), ("mxfp8", 8.25), ("int4_g32", 4.5), ("int4_g64", 4.25),
                                        ("int8_w8a8_sq", 8 + 16 / 128)])
@@ -77,6 +79,7 @@ def test_bits_per_weight_of_presets_on_a_128x128_layer(name, bits):
 
 
 # ----------------------------------------------------------------------------------- bad input
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides,reason", [
     (["quant=nvfp4", "quant.weights.symmetric=false"], "asymmetric nvfp4 makes no sense"),
     (["quant=mxfp4", "quant.activations.symmetric=false"], "asymmetric mxfp4 makes no sense"),

@@ -117,6 +117,7 @@ def test_bf16_fp8_model_logits_equal_a_scaled_mm_model():
     assert torch.equal(got, expected), f"max |Δ| {(got - expected).abs().max():.3g}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["fp8", "fp8_block", "int8_w8a8", "nvfp4", "mxfp8"])
 def test_w8a8_targets_of_a_bf16_model_keep_float32_weights(name):
     model = tiny_llama(torch.bfloat16)

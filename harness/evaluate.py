@@ -252,7 +252,7 @@ def run_lm_eval(lm: Any, slice_: Slice, settings: EvalSettings, checkpoint: str 
                           include_defaults=registry, metadata=metadata)
     done_before, planned = progress_offset or (0, None)
     tasks = list(slice_.config.tasks) if samples is None else [t for t in slice_.config.tasks if samples.get(t)]
-    with progress.lm_eval_requests(lm, slice_.name, done_before, planned):  # the job's display (its bars quiet)
+    with progress.lm_eval_requests(lm, slice_.name, done_before, planned), versions_only_env_info():
         results = simple_evaluate(
             model=lm, tasks=tasks, task_manager=manager,
             num_fewshot=slice_.config.num_fewshot, limit=None if samples is not None else slice_.config.limit,
@@ -262,6 +262,33 @@ def run_lm_eval(lm: Any, slice_: Slice, settings: EvalSettings, checkpoint: str 
             fewshot_random_seed=settings.seed, use_cache=None if checkpoint is None else str(checkpoint))
     lm.set_cache_hook(CacheHook(None))  # a later call on this lm must not write into this checkpoint
     return results
+
+
+def _versions_only(storage: dict[str, Any]) -> None:
+    from importlib.metadata import version
+
+    import transformers
+
+    storage.update({"pretty_env_info": "not collected (harness: the run's summary.json records its machine)",
+                    "transformers_version": transformers.__version__, "lm_eval_version": version("lm_eval")})
+
+
+@contextlib.contextmanager
+def versions_only_env_info():
+    """lm-eval's ``simple_evaluate`` ends by describing the environment: torch's ``collect_env``
+    runs pip, nvidia-smi, lscpu and more as subprocesses, 1.5-3 s a call on a 2-core CPU, paid by
+    every slice on both sides and by every round of a sequential evaluation, for a
+    ``pretty_env_info`` the harness never reads (a run's summary.json records its machine and
+    packages). For the length of the call lm-eval records the package versions only; outside it
+    lm-eval is as installed, for anyone else in the process."""
+    from lm_eval import evaluator
+
+    original = evaluator.add_env_info
+    evaluator.add_env_info = _versions_only
+    try:
+        yield
+    finally:
+        evaluator.add_env_info = original
 
 
 def _chosen_filter(task: str, samples: list[dict], wanted: str | None) -> str | None:

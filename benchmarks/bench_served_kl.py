@@ -116,8 +116,24 @@ def _spearman(x: list[float], y: list[float]) -> float:
     return float(value) if value is not None and math.isfinite(value) else float("nan")
 
 
+def _within_slices(values: list[float], drop: list[float], slices: list[str]) -> tuple[float, dict[str, float]]:
+    """Spearman across the runs of each slice (slices with 3 runs or more), and their mean.
+
+    Pooled over slices, a measure can rank the points by slice (multilingual has the largest KL
+    and a small drop for every scheme) rather than by scheme; within a slice only the schemes differ.
+    """
+    per = {}
+    for name in dict.fromkeys(slices):
+        at = [k for k, s in enumerate(slices) if s == name]
+        if len(at) >= 3:
+            per[name] = _spearman([values[k] for k in at], [drop[k] for k in at])
+    finite = [v for v in per.values() if math.isfinite(v)]
+    return (float(np.mean(finite)) if finite else float("nan")), per
+
+
 def rank_correlations(points: list[Point], n_resamples: int, seed: int) -> dict[str, dict[str, float]]:
-    """Spearman of each measure with the accuracy drop across points, with bootstrap intervals."""
+    """Spearman of each measure with the accuracy drop across points (pooled, and the mean of the
+    within-slice correlations), with bootstrap intervals."""
     def drop_and_measures(item_idx: dict[str, np.ndarray], text_idx: dict[str, np.ndarray]) -> tuple[list, dict]:
         drop, values = [], {measure: [] for measure in MEASURES}
         for p in points:
@@ -133,20 +149,30 @@ def rank_correlations(points: list[Point], n_resamples: int, seed: int) -> dict[
     drop, values = drop_and_measures({s: np.arange(n) for s, (n, _) in sizes.items()},
                                      {s: np.arange(k) for s, (_, k) in sizes.items()})
     rng = np.random.default_rng(seed)
+    slices = [p.slice for p in points]
     draws: dict[str, list[float]] = {measure: [] for measure in MEASURES}
+    within_draws: dict[str, list[float]] = {measure: [] for measure in MEASURES}
     for _ in range(n_resamples):
         b_drop, b_values = drop_and_measures({s: rng.integers(0, n, n) for s, (n, _) in sizes.items()},
                                              {s: rng.integers(0, k, k) for s, (_, k) in sizes.items()})
         for measure in MEASURES:
             draws[measure].append(_spearman(b_values[measure], b_drop))
+            within_draws[measure].append(_within_slices(b_values[measure], b_drop, slices)[0])
+
+    def interval(sample: list[float]) -> tuple[float, float, float]:
+        finite = np.asarray(sample)[np.isfinite(sample)]
+        return float(np.percentile(finite, 2.5)), float(np.percentile(finite, 97.5)), float(np.mean(finite > 0))
+
     out = {}
     for measure in MEASURES:
-        sample = np.asarray(draws[measure])
-        sample = sample[np.isfinite(sample)]
-        out[measure] = {"spearman": _spearman(values[measure], drop), "ci_low": float(np.percentile(sample, 2.5)),
-                        "ci_high": float(np.percentile(sample, 97.5)), "n_points": len(points),
-                        "share_positive": float(np.mean(sample > 0)),
-                        "values": dict(zip((p.label for p in points), values[measure]))}
+        low, high, positive = interval(draws[measure])
+        within, per_slice = _within_slices(values[measure], drop, slices)
+        w_low, w_high, w_positive = interval(within_draws[measure])
+        out[measure] = {"spearman": _spearman(values[measure], drop), "ci_low": low, "ci_high": high,
+                        "n_points": len(points), "share_positive": positive,
+                        "within_slice": within, "within_ci_low": w_low, "within_ci_high": w_high,
+                        "within_share_positive": w_positive, "per_slice": per_slice,
+                        "values": {f"{p.label} | {p.slice}": v for p, v in zip(points, values[measure])}}
     return out
 
 
@@ -159,7 +185,10 @@ def _body(parsed: cli.Parsed[Options]) -> int:
     correlations = rank_correlations(points, options.n_resamples, options.seed)
     for name, c in correlations.items():
         print(f"Spearman({name}, accuracy drop) over {c['n_points']} points: {c['spearman']:+.3f} "
-              f"[{c['ci_low']:+.3f}, {c['ci_high']:+.3f}] (share of resamples > 0: {c['share_positive']:.2f})")
+              f"[{c['ci_low']:+.3f}, {c['ci_high']:+.3f}] (share of resamples > 0: {c['share_positive']:.2f}); "
+              f"within slices (mean of {len(c['per_slice'])}): {c['within_slice']:+.3f} "
+              f"[{c['within_ci_low']:+.3f}, {c['within_ci_high']:+.3f}]; "
+              + ", ".join(f"{k} {v:+.2f}" for k, v in c["per_slice"].items()))
     Path(options.out).parent.mkdir(parents=True, exist_ok=True)
     Path(options.out).write_text(json.dumps({"runs": table.to_dict("records"), "rank_correlation": correlations,
                                              "n_resamples": options.n_resamples, "seed": options.seed},

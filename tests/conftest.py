@@ -17,6 +17,27 @@ from harness.config import compose
 USER_CACHE = Path(os.environ.get("HARNESS_CACHE_DIR", "~/.cache/quant-harness")).expanduser()
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, each worker's torch gets its share of the CPUs, not all of them.
+
+    torch's default is one thread per CPU; with every worker doing that, two workers on two
+    cores run four spinning OpenMP threads, and every parallel region waits for a thread that
+    shares its core (harness/runtime.py measured 4x on this machine; a SmolLM2 test took 782 s
+    under xdist against 182 s alone). ``OMP_NUM_THREADS`` is set too, so the jobs a test starts
+    (``runtime.threads=null`` reads it) and the subprocesses it spawns inherit the share. A
+    value the user exported is kept.
+    """
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not workers or "OMP_NUM_THREADS" in os.environ:
+        return
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    share = max(1, cpus // max(1, int(workers)))
+    os.environ["OMP_NUM_THREADS"] = str(share)
+    import torch
+
+    torch.set_num_threads(share)
+
+
 @pytest.fixture(scope="session")
 def shared_model_cache() -> Path:
     models = USER_CACHE / "models"

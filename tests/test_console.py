@@ -30,8 +30,11 @@ NOISE = re.compile(r"WARNING|Warning:|UserWarning|FutureWarning|pretrained|Custo
 
 
 def job_command(workdir: Path) -> list[str]:
+    # runtime.threads=2: the reference gets its second process only with two threads to split (one
+    # each); under xdist the worker's share, inherited through OMP_NUM_THREADS, is one.
     return [sys.executable, "-m", "harness", "model=tiny_random", f"paths.results_dir={workdir / 'results'}",
-            f"paths.cache_dir={workdir / 'cache'}", f"tracking.uri=sqlite:///{workdir / 'mlflow.db'}"]
+            f"paths.cache_dir={workdir / 'cache'}", f"tracking.uri=sqlite:///{workdir / 'mlflow.db'}",
+            "runtime.threads=2"]
 
 
 def job_log(workdir: Path) -> str:

@@ -103,10 +103,11 @@ def log_three_runs(root: Path, uri: str) -> str:
     return mlflow.tracking.MlflowClient(tracking_uri=uri).get_experiment_by_name("quant-harness").experiment_id
 
 
-def test_reviewer_sees_the_classic_runs_table_with_datasets_headlines_and_sweeps(browser, tmp_path):  # noqa: F811
+def test_reviewer_sees_the_classic_runs_table_with_datasets_headlines_and_sweeps(browser, tmp_path,  # noqa: F811
+                                                                               mlflow_template):
     digests = {name: reference_digest([(f"{name}_task/{name}-{i:03d}", str(i)) for i in range(n)])
                for name, n in SLICES.items()}
-    with mlflow_server(tmp_path / "server", free_port()) as uri:
+    with mlflow_server(tmp_path / "server", free_port(), template=mlflow_template) as uri:
         experiment_id = log_three_runs(tmp_path / "results", uri)
         browser.open_page(tracking.experiment_url(uri, experiment_id))
         wait_until(browser, f"document.body.innerText.includes('{len(RUNS)} matching runs')", "the three runs")
@@ -182,13 +183,14 @@ def test_reviewer_sees_the_classic_runs_table_with_datasets_headlines_and_sweeps
         assert colours is not None and len(colours) > 50  # not blank: text, chips, table
 
 
-def test_reviewer_lands_on_a_run_page_whose_description_is_the_headline(browser, tmp_path):  # noqa: F811
+def test_reviewer_lands_on_a_run_page_whose_description_is_the_headline(browser, tmp_path,  # noqa: F811
+                                                                       mlflow_template):
     """The run page: its description renders the terminal table and the gate (bold outcome, one row per
     slice and criterion). The experiment page: its one-paragraph description. Screenshot of the run page
     in the test artifacts dir."""
     from tests.test_tracking import GATE, HEADLINE, write_report
 
-    with mlflow_server(tmp_path / "server", free_port()) as uri:
+    with mlflow_server(tmp_path / "server", free_port(), template=mlflow_template) as uri:
         directory = write_result_dir(tmp_path / "results", "int4_g128", slices=SLICES)
         write_report(directory, GATE)
         run_id = tracking.log_results(directory, uri=uri, experiment="quant-harness")

@@ -27,10 +27,12 @@ def pytest_configure(config: pytest.Config) -> None:
     (``runtime.threads=null`` reads it) and the subprocesses it spawns inherit the share. A
     value the user exported is kept.
     """
+    from harness.runtime import choose_threads
+
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if not workers or "OMP_NUM_THREADS" in os.environ:
         return
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpus, _ = choose_threads(None)  # the CPUs this run was given, as a job would count them
     share = max(1, cpus // max(1, int(workers)))
     os.environ["OMP_NUM_THREADS"] = str(share)
     import torch

@@ -212,14 +212,16 @@ def job_console(verbose: bool = False, stream: Any = None) -> Iterator[progress.
     if quiet_mlflow:  # MLflow, imported later, then leaves its records to the root's handlers
         os.environ["MLFLOW_CONFIGURE_LOGGING"] = "false"
     capturing = logging._warnings_showwarning is not None  # someone captures warnings already: leave it on
-    with warnings.catch_warnings(), _stderr_descriptor_to_log() as terminal_stderr:
-        logging.captureWarnings(True)  # py.warnings: to the log (and, verbose, the console)
+    with warnings.catch_warnings():
         try:
-            with display, progress.reporting(display):
-                for handler, handler_stream, _ in saved_console:  # log lines print above the live block
-                    stream_now = terminal_stderr if handler_stream is saved_stderr else handler_stream
-                    handler.setStream(display.write_stream(stream_now))
-                yield display
+            # descriptor 2 is drained (its last lines logged) before the log's handler comes off below
+            with _stderr_descriptor_to_log() as terminal_stderr:
+                logging.captureWarnings(True)  # py.warnings: to the log (and, verbose, the console)
+                with display, progress.reporting(display):
+                    for handler, handler_stream, _ in saved_console:  # log lines print above the live block
+                        stream_now = terminal_stderr if handler_stream is saved_stderr else handler_stream
+                        handler.setStream(display.write_stream(stream_now))
+                    yield display
         finally:
             logging.captureWarnings(capturing)
             if quiet_mlflow:

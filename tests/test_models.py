@@ -66,3 +66,33 @@ def test_gemma_package_loads_through_the_same_path(shared_model_cache, tmp_path)
     with torch.no_grad():
         logits = loaded.model(ids).logits
     assert torch.isfinite(logits).all() and logits.shape[-1] >= 262_000
+
+
+@pytest.mark.slow
+def test_a_gguf_tokenizer_is_built_once_then_read_from_its_cache_entry(tmp_path, monkeypatch):
+    """Without the model's entry (tiny_random borrows SmolLM2's tokenizer) the tokenizer is rebuilt
+    from the GGUF's metadata once, saved to its own entry, and read from there after: same ids,
+    same chat markup, and no second pass over the GGUF."""
+    from transformers import AutoTokenizer
+
+    from harness.cache import Cache
+
+    cfg = load_model_config("smollm2_135m")
+    cache = Cache(tmp_path)
+    built = models.load_tokenizer(cfg, cache)
+    [entry] = [e for e in (tmp_path / "models").iterdir() if e.is_dir()]
+    assert entry.name.endswith("-tokenizer") and (entry / "COMPLETE").exists()
+    assert not list(entry.glob("*.safetensors"))
+    calls = []
+    original = AutoTokenizer.from_pretrained
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained",
+                        lambda *args, **kwargs: calls.append(kwargs) or original(*args, **kwargs))
+    cached = models.load_tokenizer(cfg, cache)
+    assert calls == [{}]  # the saved files, not gguf_file=...
+    text = "Déjà vu: 12,345 naïve cafés — 東京 🚀\n\tdef f(x): return x**2"
+    assert built(text)["input_ids"] == cached(text)["input_ids"]
+    chat = [{"role": "user", "content": text}]
+    assert (built.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+            == cached.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))
+    assert (built.eos_token_id, built.pad_token_id, len(built)) == (cached.eos_token_id, cached.pad_token_id,
+                                                                   len(cached))

@@ -1,7 +1,8 @@
 """The default job as a person sees it: in a real terminal (tmux), and with its output sent to a file.
 
 ``python -m harness model=tiny_random`` (the default job's five slices and scheme on the tiny
-random model) with an empty cache, so the reference runs in its second process. In the
+random model) with an empty reference cache, so the reference runs in its second process (the
+model cache is the tests' shared one, as a user's is after their first job). In the
 terminal: no warning line and no lm-eval bar on the screen, the progress block redrawn in
 place (one copy of it on the screen, many cursor moves in the raw output), every slice done
 on both sides, the final table. In a file: no carriage return or escape code, one line per
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,11 +31,12 @@ NOISE = re.compile(r"WARNING|Warning:|UserWarning|FutureWarning|pretrained|Custo
                    r"Checking cached requests|Running generate_until|Tokenizing inputs")
 
 
-def job_command(workdir: Path) -> list[str]:
+def job_command(workdir: Path, cache_dir: Path, mlflow_template: Path) -> list[str]:
     # runtime.threads=2: the reference gets its second process only with two threads to split (one
     # each); under xdist the worker's share, inherited through OMP_NUM_THREADS, is one.
+    shutil.copyfile(mlflow_template, workdir / "mlflow.db")  # an empty store, its tables made
     return [sys.executable, "-m", "harness", "model=tiny_random", f"paths.results_dir={workdir / 'results'}",
-            f"paths.cache_dir={workdir / 'cache'}", f"tracking.uri=sqlite:///{workdir / 'mlflow.db'}",
+            f"paths.cache_dir={cache_dir}", f"tracking.uri=sqlite:///{workdir / 'mlflow.db'}",
             "runtime.threads=2"]
 
 
@@ -48,9 +51,9 @@ def assert_final_table(text: str) -> None:
         assert re.search(rf"^\s*{name}\s+\d+\s", text, re.M), name
 
 
-def test_the_default_job_in_a_terminal_redraws_its_progress_in_place(tmp_path):
+def test_the_default_job_in_a_terminal_redraws_its_progress_in_place(tmp_path, cache_dir, mlflow_template):
     require_tmux()
-    capture = run_in_terminal(" ".join(job_command(tmp_path)), tmp_path / "terminal",
+    capture = run_in_terminal(" ".join(job_command(tmp_path, cache_dir, mlflow_template)), tmp_path / "terminal",
                               env={"PYTHONPATH": str(REPO_DIR)}, width=140, height=45)
     screen = capture.screen
     from tests.test_html_report import artifact_dir  # kept for a look when an assertion fails
@@ -73,10 +76,11 @@ def test_the_default_job_in_a_terminal_redraws_its_progress_in_place(tmp_path):
     assert "`pretrained` model kwarg is not of type `str`" in log and "[reference process]" in log
 
 
-def test_the_default_job_into_a_file_prints_one_line_per_step(tmp_path):
+def test_the_default_job_into_a_file_prints_one_line_per_step(tmp_path, cache_dir, mlflow_template):
     out = tmp_path / "job.txt"
     with out.open("w") as handle:
-        status = subprocess.run(job_command(tmp_path), cwd=REPO_DIR, stdout=handle, stderr=subprocess.STDOUT,
+        status = subprocess.run(job_command(tmp_path, cache_dir, mlflow_template), cwd=REPO_DIR, stdout=handle,
+                                stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONPATH": str(REPO_DIR)}).returncode
     text = out.read_text()
     assert status == 0, text[-3000:]

@@ -114,7 +114,10 @@ def test_reviewer_sees_the_classic_runs_table_with_datasets_headlines_and_sweeps
 
         # The classic runs table of the "Model training" view, not the GenAI overview.
         assert "/runs?" in browser.evaluate("location.hash")
-        assert browser.evaluate("[...document.querySelectorAll('h2')].map(e => e.innerText.trim())") == ["Runs"]
+        headings = wait_until(browser, "(() => { const h = [...document.querySelectorAll('h2')]"
+                                       ".map(e => e.innerText.trim()); return h.length > 0 && h; })()",
+                              "the page's headings")  # under load they render after the run count
+        assert headings == ["Runs"]
         nav = browser.evaluate("[...document.querySelectorAll('nav a, aside a')].map(e => e.innerText.trim())")
         assert {"Runs", "Models"} <= set(nav) and "Overview" not in nav and "Sessions" not in nav
         # Default columns: every run names its slices with their items' digests; Duration is the job's.

@@ -95,6 +95,28 @@ def _new_cache(model: nn.Module):
         return DynamicCache()
 
 
+def _stop_check(stop: Sequence[str], decode: Callable[[list[int]], str]) -> Callable[[list[int]], bool]:
+    """Whether a reply (token ids) contains a stop string, looking at its tail each step.
+
+    Decoding the whole reply at every step costs time quadratic in its length (a 256-token
+    reply: 33k token decodes per row; on a GPU this CPU work is a large share of a decode
+    step). A stop string that first appears at this step ends in its last token, so it lies
+    within the last ``4 * len(stop) + 16`` tokens (a character takes at most four byte-fallback
+    tokens); a hit there is confirmed on the whole reply (a tail can decode differently at its
+    start: a partial character, a leading space), so no row ends on a stop string its reply
+    does not contain. lm-eval's own HF stopping criterion looks at a tail too (the stop's token
+    length + 2).
+    """
+    window = 4 * max(len(text) for text in stop) + 16
+
+    def stopped(reply: list[int]) -> bool:
+        if not any(text in decode(reply[-window:]) for text in stop):
+            return False
+        return len(reply) <= window or any(text in decode(reply) for text in stop)
+
+    return stopped
+
+
 @torch.inference_mode()
 def greedy_generate(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *, max_new_tokens: int,
                     pad_token_id: int, stop: Sequence[str] = (), decode: Callable[[list[int]], str] | None = None,
@@ -120,6 +142,7 @@ def greedy_generate(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
                    **{cache_kw: cache}, **prefill_kw).logits[:, -1]
     rows = torch.arange(batch, device=input_ids.device)  # the original row of each active row
     replies: list[list[int]] = [[] for _ in range(batch)]
+    stopped = _stop_check(stop, decode) if stop else None
     steps = 0
     while True:
         token = logits.argmax(-1)
@@ -128,7 +151,7 @@ def greedy_generate(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
         keep = []
         for i, (row, tok) in enumerate(zip(rows.tolist(), token.tolist())):
             replies[row].append(tok)
-            finished = tok in eos or steps >= max_new_tokens or (stop and any(t in decode(replies[row]) for t in stop))
+            finished = tok in eos or steps >= max_new_tokens or (stopped is not None and stopped(replies[row]))
             if not finished:
                 keep.append(i)
         if len(keep) < len(rows):

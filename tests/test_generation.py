@@ -127,3 +127,48 @@ def test_shared_context_scoring_matches_full_sequences(tiny, make_cfg):
     assert [round(v, 4) for v, _ in direct] == [round(v, 4) for v, _ in got[:4]]
     with pytest.raises(ValueError, match="context of >= 2 tokens"):
         shared_context_logprobs(model, [5], [[1]], pad_token_id=0, device="cpu")
+
+
+@pytest.mark.slow
+def test_the_tail_stop_check_ends_each_reply_where_decoding_all_of_it_does(shared_model_cache, tmp_path):
+    """The stop check decodes a reply's tail each step; it must end a reply at the step where
+    decoding the whole reply first shows a stop string (the definition), never earlier or later.
+    Replies: SmolLM2-tokenizer ids from code, prose, several scripts and emoji (characters split
+    over byte tokens) and random ids; stops: strings cut from the decoded text at random places
+    and lengths, whitespace runs, and the slices' own stop strings."""
+    import random
+
+    from harness.cache import Cache
+    from harness.config import load_model_config
+    from harness.generation import _stop_check
+
+    (tmp_path / "models").symlink_to(shared_model_cache)
+    tok = models.load_tokenizer(load_model_config("smollm2_135m"), Cache(tmp_path))
+
+    def decode(ids: list[int]) -> str:
+        return tok.decode(ids, skip_special_tokens=False)
+
+    texts = ["def add(a, b):\n    \"\"\"Return a + b.\"\"\"\n    return a + b\n\n\nclass Q:\n\tpass\n" * 6,
+             "The answer is 42.\n\nQuestion: what is 6 x 7?\nAnswer: 42\n\n" * 8,
+             "Привет, мир! 東京は日本の首都です。 مرحبا بالعالم 🚀🎉 naïve café — ünïcödé\n" * 6,
+             '{"name": "x", "items": [1, 2, {"k": "v"}]}\n```\n' * 10]
+    rng = random.Random(0)
+    replies = [tok(text, add_special_tokens=False)["input_ids"] for text in texts]
+    replies += [[rng.randrange(len(tok)) for _ in range(300)] for _ in range(4)]
+    fixed = ["\n\n", "```", "<|im_end|>", "\nQuestion:", "    ", "\n\n\n", "🎉", "首都", "}\n"]
+    cases = 0
+    for reply in replies:
+        full = decode(reply)
+        cut = []
+        for _ in range(12):
+            start = rng.randrange(len(full))
+            piece = full[start:start + rng.choice([1, 2, 3, 5, 8, 13, 40])]
+            if piece and "\ufffd" not in piece:
+                cut.append(piece)
+        for stop in [[s] for s in fixed + cut] + [fixed[:3], cut[:4]]:
+            definition = next((n for n in range(1, len(reply) + 1) if any(s in decode(reply[:n]) for s in stop)), None)
+            stopped = _stop_check(stop, decode)
+            tail = next((n for n in range(1, len(reply) + 1) if stopped(reply[:n])), None)
+            assert tail == definition, (stop, definition, tail)
+            cases += definition is not None
+    assert cases > 60  # most stops are met somewhere in their reply, at many different steps

@@ -201,6 +201,11 @@ class EvalConfig:
     # Greedy generation with backend=hf: harness (rows leave the batch as they finish; same replies, a
     # fraction of the decode steps on a CPU: harness.generation) | hf (HF generate, as lm-eval runs it)
     generator: str = "harness"
+    # Caps every generation task's max_gen_toks (each keeps its own where that is lower); null: each task's
+    # own. A smoke run's knob: replies cut short score differently, so a capped run is its own result (run key,
+    # reference entry) and says so on the console. A random-weight model never stops, so its generation
+    # always runs to the cap: the test suite's tiny jobs use it.
+    max_gen_toks: Optional[int] = None
     position_buckets: list[int] = field(default_factory=lambda: [0, 128, 512, 1024, 2048, 4096, 8192])
     # Sequential evaluation (harness.sequential): the candidate answers each slice's items in rounds of
     # whole clusters (seeded random order) and a slice stops once its anytime-valid confidence sequence

@@ -40,9 +40,11 @@ class EvalSettings:
     tokenizer_path: str | None = None
     backend: str = "hf"  # hf: the loaded model through HFLM | vllm: the checkpoint on disk through lm-eval's VLLM
     generator: str = "harness"  # greedy decoding: harness.generation (rows leave as they finish) | hf (generate)
+    max_gen_toks: int | None = None  # caps each generation task's max_gen_toks (eval.max_gen_toks); None: its own
 
 
 BACKENDS = ("hf", "vllm")
+DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's HFLM and vLLM backends when a task does not set max_gen_toks
 GENERATORS = ("harness", "hf")
 
 
@@ -242,14 +244,10 @@ def run_lm_eval(lm: Any, slice_: Slice, settings: EvalSettings, checkpoint: str 
     """``simple_evaluate`` on the slice's tasks with per-sample logs (see :func:`evaluate_slice`)."""
     from lm_eval import simple_evaluate
     from lm_eval.api.model import CacheHook
-    from lm_eval.tasks import TaskManager
 
     # sqlitedict's writer thread logs a stack for a failed write (a full disk) and re-raises it here anyway
     logging.getLogger("sqlitedict").setLevel(logging.CRITICAL)
-    registry = slice_.directory is None
-    metadata = slice_.metadata(settings.seed, settings.tokenizer_path, settings.max_length)
-    manager = TaskManager(include_path=None if registry else str(slice_.directory),
-                          include_defaults=registry, metadata=metadata)
+    manager = task_manager(slice_, settings)
     done_before, planned = progress_offset or (0, None)
     tasks = list(slice_.config.tasks) if samples is None else [t for t in slice_.config.tasks if samples.get(t)]
     with progress.lm_eval_requests(lm, slice_.name, done_before, planned), versions_only_env_info():
@@ -262,6 +260,32 @@ def run_lm_eval(lm: Any, slice_: Slice, settings: EvalSettings, checkpoint: str 
             fewshot_random_seed=settings.seed, use_cache=None if checkpoint is None else str(checkpoint))
     lm.set_cache_hook(CacheHook(None))  # a later call on this lm must not write into this checkpoint
     return results
+
+
+def task_manager(slice_: Slice, settings: EvalSettings) -> Any:
+    """lm-eval's TaskManager for a slice: its directory as the include path (the registry only for
+    registry slices), its item-set settings as metadata, and ``settings.max_gen_toks`` applied to
+    every generation task it loads (the lower of the task's own and the cap)."""
+    from lm_eval.tasks import TaskManager
+
+    registry = slice_.directory is None
+    metadata = slice_.metadata(settings.seed, settings.tokenizer_path, settings.max_length)
+    manager = TaskManager(include_path=None if registry else str(slice_.directory), include_defaults=registry,
+                          metadata=metadata)
+    if settings.max_gen_toks is not None:
+        load, cap = manager.load, settings.max_gen_toks
+
+        def load_capped(*args: Any, **kwargs: Any) -> dict:
+            loaded = load(*args, **kwargs)
+            for task in loaded["tasks"].values():
+                if task.get_config("output_type") == "generate_until":
+                    kwargs = dict(task.get_config("generation_kwargs") or {})
+                    kwargs["max_gen_toks"] = min(int(kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS)), cap)
+                    task.set_config(key="generation_kwargs", value=kwargs)
+            return loaded
+
+        manager.load = load_capped
+    return manager
 
 
 def _versions_only(storage: dict[str, Any]) -> None:

@@ -41,13 +41,17 @@ def eval_settings(cfg: RunConfig, tokenizer_path: str | None) -> evaluate.EvalSe
     return evaluate.EvalSettings(batch_size=cfg.eval.batch_size or cfg.model.batch_size, max_length=cfg.model.max_length,
                                  device=cfg.model.device, chat_template=cfg.model.chat_template, seed=cfg.eval.seed,
                                  tokenizer_path=tokenizer_path, backend=cfg.eval.backend,
-                                 generator=cfg.eval.generator)
+                                 generator=cfg.eval.generator, max_gen_toks=cfg.eval.max_gen_toks)
 
 
 def check_backend(cfg: RunConfig) -> None:
-    """eval.backend=vllm serves checkpoints: the reference's and an external candidate's (before any work)."""
+    """The evaluation settings, before any work: eval.max_gen_toks, the generator, and that eval.backend=vllm
+    serves checkpoints (the reference's and an external candidate's)."""
     from harness.cli import UsageError
 
+    cap = cfg.eval.max_gen_toks
+    if cap is not None and cap < 1:
+        raise UsageError(f"eval.max_gen_toks={cap!r}: give a number of tokens >= 1, or null for each task's own")
     if cfg.eval.generator not in evaluate.GENERATORS:
         raise UsageError(f"eval.generator={cfg.eval.generator!r}: use one of {list(evaluate.GENERATORS)}")
     if cfg.eval.backend not in evaluate.BACKENDS:
@@ -86,6 +90,7 @@ def reference_key(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig) -> 
                 "divergence_max_tokens": cfg.eval.divergence_max_tokens, "store": cfg.eval.reference_store,
                 "topk": cfg.eval.reference_topk, **({"backend": cfg.eval.backend} if cfg.eval.backend != "hf" else {}),
                 "generator": cfg.eval.generator,
+                **({"max_gen_toks": cfg.eval.max_gen_toks} if cfg.eval.max_gen_toks is not None else {}),
                 "lm_eval": _version("lm_eval"), "transformers": _version("transformers"), "device": cfg.model.device,
                 "records": 2}  # 2: records carry each item's doc_id (sequential rounds select items by it)
     if served_format(slice_, cfg):  # its divergence texts are its items' prompts + this reference's replies
@@ -110,6 +115,8 @@ def run_key(cfg: RunConfig, model_identity: dict | None = None) -> str:
         data["eval"].pop("sequential", None)
         data["eval"].pop("sequential_round_items", None)
         data["eval"].pop("sequential_method", None)
+    if cfg.eval.max_gen_toks is None:  # likewise
+        data["eval"].pop("max_gen_toks", None)
     return stable_hash({"config": data, "model": model_identity}, 16)
 
 

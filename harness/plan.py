@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from harness import cli, divergence, models, quant, resources
+from harness import cli, divergence, evaluate, models, quant, resources
 from harness.cache import Cache, stable_hash
 from harness.config import RunConfig, load_model_config
 from harness.identity import (divergence_texts, eval_settings, max_divergence_tokens, reference_key, run_key,
@@ -53,7 +53,6 @@ from harness.identity import (divergence_texts, eval_settings, max_divergence_to
 from harness.slices import Slice, resolve
 
 log = logging.getLogger("harness.plan")
-DEFAULT_MAX_GEN_TOKS = 256  # lm-eval HFLM's default when a task does not set max_gen_toks
 
 
 @dataclass
@@ -144,14 +143,10 @@ def _chat_template(tokenizer: Any):
 
 def count_slice_tokens(slice_: Slice, cfg: RunConfig, tokenizer: Any) -> SliceTokens:
     """Tokens one model runs through for ``slice_`` (lm-eval requests + divergence texts)."""
-    from lm_eval.tasks import TaskManager
 
     tokenizer_path = getattr(tokenizer, "name_or_path", None)
     settings = eval_settings(cfg, tokenizer_path if tokenizer_path and Path(tokenizer_path).exists() else None)
-    registry = slice_.directory is None
-    metadata = slice_.metadata(settings.seed, settings.tokenizer_path, settings.max_length)
-    manager = TaskManager(include_path=None if registry else str(slice_.directory), include_defaults=registry,
-                          metadata=metadata)
+    manager = evaluate.task_manager(slice_, settings)  # with eval.max_gen_toks applied, as the job's
     counts = SliceTokens(slice_.name)
     max_length = cfg.model.max_length
 
@@ -170,7 +165,7 @@ def count_slice_tokens(slice_: Slice, cfg: RunConfig, tokenizer: Any) -> SliceTo
             counts.requests += 1
             if instance.request_type == "generate_until":
                 context, gen_kwargs = instance.args[0], instance.args[1]
-                max_gen = int((gen_kwargs or {}).get("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
+                max_gen = int((gen_kwargs or {}).get("max_gen_toks", evaluate.DEFAULT_MAX_GEN_TOKS))
                 counts.prompt += min(length(context), max(max_length - max_gen, 1))
                 counts.generated += max_gen
             elif instance.request_type == "loglikelihood":

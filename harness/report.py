@@ -43,6 +43,9 @@ def print_comparison(comparison: Comparison, result: dict) -> None:
     print(f"{result['model']}  ·  {result['scheme']} ({num(quant.get('bits_per_weight'), '.3f')} bits/weight)  "
           f"vs  unquantized reference")
     print(table.to_string(index=False))
+    if result.get("max_gen_toks") is not None:
+        print(f"generation capped at {result['max_gen_toks']} tokens a reply (eval.max_gen_toks): a smoke run, "
+              "not the tasks' own accuracies")
     for line in sequential_lines(result):
         print(line)
     print()

@@ -224,6 +224,9 @@ def preflight(cfg: RunConfig) -> Preflight:
     shared = sweep.shared_store_warning(uri, sweep.hydra_launcher()) if cfg.tracking.enabled else None
     if shared:
         log.warning("SHARED TRACKING STORE: %s", shared)
+    if cfg.eval.max_gen_toks is not None:
+        log.warning("GENERATION CAPPED: eval.max_gen_toks=%d cuts every reply at %d tokens (a smoke run: its "
+                    "accuracies are not the tasks' own; null restores them)", cfg.eval.max_gen_toks, cfg.eval.max_gen_toks)
     problem = tracking.check_tracking(uri) if cfg.tracking.enabled else None
     if problem:
         log.warning("TRACKING UNAVAILABLE: %s", problem)
@@ -297,6 +300,7 @@ def summary_record(cfg: RunConfig, key: str, comparison: summary.Comparison, qua
         "machine": _machine(), "tags": dict(cfg.tracking.tags), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "checkpoint": {"restored_requests": evaluated.restored, "requests": evaluated.requests,
                        "reference_restored_requests": {n: r.restored_requests for n, r in references.items()}},
+        **({"max_gen_toks": cfg.eval.max_gen_toks} if cfg.eval.max_gen_toks is not None else {}),
     }
 
 

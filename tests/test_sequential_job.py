@@ -189,7 +189,7 @@ def test_registry_slices_with_few_shot_prompts_are_refused(make_cfg) -> None:
 def test_run_key_is_unchanged_by_the_option_off_and_covers_the_stop_rule_on(make_cfg) -> None:
     base = identity.to_config(make_cfg("model=tiny_random"))
     config = identity.config_dict(base)
-    for key in ("sequential", "sequential_round_items", "sequential_method"):
+    for key in ("sequential", "sequential_round_items", "sequential_method", "max_gen_toks"):  # off: not in the key
         config["eval"].pop(key)
     for transient in identity.TRANSIENT_SECTIONS:
         config.pop(transient, None)

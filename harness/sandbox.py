@@ -55,6 +55,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -152,9 +154,12 @@ def run_python(
         raise ValueError(f"max_total_bytes={max_total_bytes!r} is invalid; pass at least 1 MiB (1048576)")
     if sys.platform == "win32":
         raise NotImplementedError("run_python needs POSIX rlimits and process groups; run it on Linux or macOS")
+    start = time.monotonic()
+    error = syntax_error(program)
+    if error is not None:  # the interpreter would stop here too, before running a line of it
+        return SandboxResult(False, "failed", 1, "", error, time.monotonic() - start)
     sandbox_uid = _allocate_uid() if os.geteuid() == 0 else None
     workdir = Path(tempfile.mkdtemp(prefix="sandbox-"))
-    start = time.monotonic()
     try:
         (workdir / _PROGRAM_NAME).write_text(program, encoding="utf-8")
         if sandbox_uid is not None:
@@ -189,6 +194,27 @@ def run_python(
         return SandboxResult(status == "passed", status, proc.returncode, stdout, stderr, time.monotonic() - start)
     finally:
         _remove_tree(workdir)
+
+
+def syntax_error(program: str) -> str | None:
+    """The error the interpreter reports for a program that does not compile; None if it compiles.
+
+    Compiling runs none of the program's code: the parser and the compiler only (constant folding
+    is size-capped by CPython), so this happens in the caller's process, and a program that cannot
+    run costs no sandbox (~0.15 s of CPU for two interpreter starts; a broken model's replies are
+    mostly such programs). The source is compiled as the bytes the sandbox writes to its file, so
+    a coding cookie or BOM reads as it would there. Anything but a clean syntax verdict (a
+    RecursionError on absurd nesting, MemoryError) returns None and the sandbox decides.
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # SyntaxWarning/DeprecationWarning about the program's source
+            compile(program.encode("utf-8"), _PROGRAM_NAME, "exec", dont_inherit=True)
+    except (SyntaxError, ValueError) as exc:  # ValueError: a null byte
+        return "".join(traceback.format_exception_only(type(exc), exc))
+    except Exception:  # noqa: BLE001 - not a verdict on the program's syntax
+        return None
+    return None
 
 
 def check_program(program: str, **limits: Any) -> bool:

@@ -406,3 +406,63 @@ def test_many_tiny_files_are_capped_by_the_inode_limit() -> None:
 def test_total_cap_below_one_mebibyte_is_refused() -> None:
     with pytest.raises(ValueError, match="max_total_bytes"):
         run_python("pass", max_total_bytes=1000)
+
+
+def _mutants(source: str, count: int, seed: int = 0) -> list[str]:
+    """``source`` with one random character deleted, inserted or replaced (most no longer compile)."""
+    import random
+
+    rng = random.Random(seed)
+    alphabet = "():[]{}'\"\\#:=,.\n\t @*-+0aZ\u00e9\u20ac\x00"
+    out = []
+    for _ in range(count):
+        at = rng.randrange(len(source))
+        edit = rng.choice(("delete", "insert", "replace"))
+        char = rng.choice(alphabet)
+        out.append(source[:at] + ("" if edit == "delete" else char) + source[at + (edit != "insert"):])
+    return out
+
+
+SYNTAX_CASES = [
+    "def f(:\n    return 1\n",
+    "def f():\nreturn 1\n",  # no indent
+    "if True:\n\tx = 1\n        y = 2\n",  # tabs and spaces
+    "s = 'unterminated\n",
+    'f"{"\n',
+    "x = 1\0\n",
+    "# -*- coding: latin-1 -*-\ns = 'caf\u00e9'\nassert len(s) == 5\n",  # compiles; the cookie makes it 5 chars
+    "# -*- coding: no-such-codec -*-\nx = 1\n",
+    "\ufeffx = 1\nassert x == 1\n",  # a BOM
+    "from __future__ import braces\n",
+    "def g():\n    yield = 3\n",
+    "x = 1\nassert x == 2\n",  # compiles, fails when run
+    "import sys\nsys.exit(0)\n",
+]
+
+
+@pytest.mark.slow
+def test_a_program_that_does_not_compile_fails_here_as_it_would_in_the_sandbox(monkeypatch) -> None:
+    """The syntax check in the caller's process gives the sandbox's own verdict, without starting it.
+
+    Each program runs through the sandbox with the check switched off (the interpreter there
+    compiles the file itself) and through ``run_python``; a program the check refuses must start
+    no process at all."""
+    body = "def add(a, b):\n    \"\"\"Sum.\"\"\"\n    return a + b\n\nassert add(2, 3) == 5\n"
+    programs = SYNTAX_CASES + _mutants(body, 40)
+    refused = 0
+    for program in programs:
+        with monkeypatch.context() as patch:
+            patch.setattr(sandbox, "syntax_error", lambda _: None)
+            real = _run(program)
+        error = sandbox.syntax_error(program)
+        if error is None:
+            continue
+        refused += 1
+        with monkeypatch.context() as patch:
+            patch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail(f"a process for {program!r}"))
+            quick = _run(program)
+        assert (quick.passed, quick.status, quick.returncode) == (real.passed, real.status, real.returncode) \
+            == (False, "failed", 1), (program, real.stderr)
+        kind = error.strip().splitlines()[-1].split(":")[0]  # SyntaxError, IndentationError, TabError
+        assert kind in real.stderr, (program, error, real.stderr)
+    assert refused >= 25 and refused < len(programs)  # most mutants and cases are refused; the rest ran

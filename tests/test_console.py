@@ -1,9 +1,10 @@
 """The default job as a person sees it: in a real terminal (tmux), and with its output sent to a file.
 
-``python -m harness model=tiny_random`` (the default job's five slices and scheme on the tiny
-random model) with an empty reference cache, so the reference runs in its second process (the
-model cache is the tests' shared one, as a user's is after their first job). In the
-terminal: no warning line and no lm-eval bar on the screen, the progress block redrawn in
+``python -m harness model=tiny_random eval.max_gen_toks=8`` (the default job's five slices and
+scheme on the tiny random model, its replies capped) with an empty reference cache, so the
+reference runs in its second process (the model cache is the tests' shared one, as a user's is
+after their first job). In the terminal: no warning line but the cap's own and no lm-eval bar
+on the screen, the progress block redrawn in
 place (one copy of it on the screen, many cursor moves in the raw output), every slice done
 on both sides, the final table. In a file: no carriage return or escape code, one line per
 stage start and end and one per finished slice and side, the final table.
@@ -26,6 +27,10 @@ pytestmark = pytest.mark.slow
 
 SLICES = ("math", "long_context", "multilingual", "code", "structured")  # conf/slices/all.yaml
 STAGES = ("load", "reference", "quantize", "evaluate", "reference_wait", "divergence", "logging")
+# tiny_random never stops, so every reply runs to its task's max_gen_toks (code: 256): the cap makes the
+# job ~40 % shorter (the console is the same; it adds one warning line and a note under the table)
+CAP = 8
+CAPPED = "GENERATION CAPPED: eval.max_gen_toks=8"
 # What the console carried before issue 20: lm-eval's warnings and bars, the libraries' warnings.
 NOISE = re.compile(r"WARNING|Warning:|UserWarning|FutureWarning|pretrained|Custom kwargs|--metadata|it/s\]|"
                    r"Checking cached requests|Running generate_until|Tokenizing inputs")
@@ -37,7 +42,7 @@ def job_command(workdir: Path, cache_dir: Path, mlflow_template: Path) -> list[s
     shutil.copyfile(mlflow_template, workdir / "mlflow.db")  # an empty store, its tables made
     return [sys.executable, "-m", "harness", "model=tiny_random", f"paths.results_dir={workdir / 'results'}",
             f"paths.cache_dir={cache_dir}", f"tracking.uri=sqlite:///{workdir / 'mlflow.db'}",
-            "runtime.threads=2"]
+            "runtime.threads=2", f"eval.max_gen_toks={CAP}"]
 
 
 def job_log(workdir: Path) -> str:
@@ -47,6 +52,7 @@ def job_log(workdir: Path) -> str:
 
 def assert_final_table(text: str) -> None:
     assert "tiny_random  ·  int4_g128" in text and "Δacc [95% CI]" in text
+    assert f"generation capped at {CAP} tokens a reply" in text
     for name in ("overall", *SLICES):
         assert re.search(rf"^\s*{name}\s+\d+\s", text, re.M), name
 
@@ -60,7 +66,8 @@ def test_the_default_job_in_a_terminal_redraws_its_progress_in_place(tmp_path, c
     (artifact_dir() / "console_terminal.txt").write_text(screen)
     (artifact_dir() / "console_terminal.raw").write_bytes(capture.raw)
     assert capture.status == 0, screen[-3000:]
-    assert not [line for line in screen.splitlines() if NOISE.search(line)], screen
+    assert not [line for line in screen.splitlines() if NOISE.search(line) and CAPPED not in line], screen
+    assert capture.raw.count(CAPPED.encode()) == 1
     assert_final_table(screen)
     # the progress block: one copy on the screen, each slice finished on both sides
     assert len(re.findall(r"^\s*slice\s+reference\s+quantized\s*$", screen, re.M)) == 1, screen
@@ -85,8 +92,9 @@ def test_the_default_job_into_a_file_prints_one_line_per_step(tmp_path, cache_di
     text = out.read_text()
     assert status == 0, text[-3000:]
     assert "\r" not in text and "\x1b" not in text
-    assert not [line for line in text.splitlines() if NOISE.search(line)], text
+    assert not [line for line in text.splitlines() if NOISE.search(line) and CAPPED not in line], text
     lines = text.splitlines()
+    assert sum(CAPPED in line for line in lines) == 1
     for stage in STAGES:
         assert sum(line.endswith(f"] ▶ {stage}") for line in lines) == 1, stage
         assert sum(bool(re.search(rf"\] ✓ {stage} [\d.]+ s$", line)) for line in lines) == 1, stage

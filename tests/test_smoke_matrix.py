@@ -30,6 +30,7 @@ SMALL = [
     "quant.calibration.seq_len=32",
     "tracking.enabled=false",
     "compare.n_resamples=200",
+    "eval.max_gen_toks=8",  # a random model never stops: uncapped, code's 256-token replies were a third of a preset
 ]
 ALLOWED_NAN = ["delta_se", "delta_p", "delta_p_adj", "design_effect", "inferiority_p", "settleable", "delta_ci_low", "delta_ci_high", "mde", "noninferiority_p", "tost_p",
                "flip_rate_ci_low", "flip_rate_ci_high", "right_to_wrong_ci_low", "right_to_wrong_ci_high",

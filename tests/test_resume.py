@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -21,6 +22,8 @@ import pandas as pd
 import pytest
 
 from harness import evaluate, models
+from harness import run as run_mod
+from harness.config import compose
 from harness import identity
 from harness.slices import resolve
 from tests.test_sweeps import TINY, harness_command, job_env, mlflow_runs, paths, run_harness, sqlite_uri
@@ -115,11 +118,16 @@ def test_an_lm_without_checkpoint_does_not_write_into_a_previous_one(make_cfg, t
 
 
 @pytest.mark.slow
-def test_killed_job_resumes_from_its_checkpoint_and_logs_one_run(tmp_path, cache_dir, shared_model_cache):
-    job = [*TINY, "slices.math.n_items=24", "eval.batch_size=1", "quant=int4_g128"]
-    # The uninterrupted run, for comparison (own results, cache and MLflow).
-    (tmp_path / "a").mkdir()
-    run_harness(*job, *paths(tmp_path / "a", cache_dir), cwd=tmp_path / "a")
+def test_killed_job_resumes_from_its_checkpoint_and_logs_one_run(tmp_path, cache_dir, shared_model_cache,
+                                                                  mlflow_template):
+    # batch 1: the checkpoint fills request by request; replies capped at 8 tokens (tiny_random never stops)
+    job = [*TINY, "slices.math.n_items=24", "eval.batch_size=1", "quant=int4_g128", "eval.max_gen_toks=8"]
+    for work in ("a", "b", "c"):  # each job's own MLflow store, its tables made (conftest's mlflow_template)
+        (tmp_path / work).mkdir()
+        shutil.copyfile(mlflow_template, tmp_path / work / "mlflow.db")
+    # The uninterrupted run, for comparison (own results, cache and MLflow), in this process: one torch
+    # thread, as the jobs below get (job_env), so its numbers are theirs.
+    run_mod.run(compose([*job, *paths(tmp_path / "a", cache_dir), "runtime.threads=1"]))
     [uninterrupted_dir] = (tmp_path / "a" / "results").glob("*/")
     uninterrupted = json.loads((uninterrupted_dir / "summary.json").read_text())
     total = uninterrupted["checkpoint"]["requests"]["math"]
@@ -131,7 +139,6 @@ def test_killed_job_resumes_from_its_checkpoint_and_logs_one_run(tmp_path, cache
 
     # 1. Killed while computing the reference; started again, it continues the reference.
     work = tmp_path / "b"
-    work.mkdir()
     args = [*job, *paths(work, cache_b)]
     killed_in_reference = kill_when_checkpointed(
         args, work, lambda: list((cache_b / "reference").glob("*.checkpoint_rank*.db")), work / "attempt1.log")
@@ -149,7 +156,6 @@ def test_killed_job_resumes_from_its_checkpoint_and_logs_one_run(tmp_path, cache
 
     # 2. Killed while evaluating the quantized model (reference cached); it continues the evaluation.
     work = tmp_path / "c"
-    work.mkdir()
     args = [*job, *paths(work, cache_b)]
     uri = sqlite_uri(work)
     killed_in_evaluation = kill_when_checkpointed(
@@ -168,8 +174,9 @@ def test_killed_job_resumes_from_its_checkpoint_and_logs_one_run(tmp_path, cache
     assert not (results_dir / "checkpoint").exists()
     assert [r.info.status for r in mlflow_runs(uri)] == ["FINISHED"]
 
-    # 3. Started again: the finished results are reused, not recomputed, and not logged twice.
-    run_harness(*args, cwd=work)
+    # 3. Started again: the finished results are reused, not recomputed, and not logged twice (in this
+    # process: nothing is computed, and a job's start-up is ~12 s of this test's CPU).
+    run_mod.run(compose(args))
     assert json.loads((results_dir / "summary.json").read_text())["finished_at"] == resumed["finished_at"]
     assert len(mlflow_runs(uri)) == 1
 

@@ -20,8 +20,10 @@ import pytest
 
 from harness import cache as cache_mod
 from harness import resources
+from harness import run as run_mod
+from harness.config import compose
 from harness.resources import DiskSpaceError, Write, check_disk_space, disk_full_message, is_disk_full
-from tests.test_sweeps import TINY, job_env, run_harness
+from tests.test_sweeps import TINY, job_env
 
 
 def _unshare_works() -> bool:
@@ -146,7 +148,8 @@ def test_a_disk_that_fills_up_mid_job_ends_in_one_line_and_a_rerun_resumes(tmp_p
     import json
     summary = json.loads(next((tmp_path / "kept").glob("*/summary.json")).read_text())
     assert summary["checkpoint"]["restored_requests"]["math"] > 0  # resumed from what attempt 1 stored
-    run_harness(*args, f"paths.results_dir={tmp_path / 'undisturbed'}", cwd=Path(__file__).resolve().parents[2])
+    # the undisturbed job in this process (a job's start-up is ~12 s of CPU), on one thread as the jobs above
+    run_mod.run(compose([*args, f"paths.results_dir={tmp_path / 'undisturbed'}", "runtime.threads=1"]))
     undisturbed = pd.read_parquet(next((tmp_path / "undisturbed").glob("*/items.parquet")))
     pd.testing.assert_frame_equal(pd.read_parquet(next((tmp_path / "kept").glob("*/items.parquet"))), undisturbed)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -44,18 +44,13 @@ def pytest_configure(config: pytest.Config) -> None:
 # 2026-12-02): run first, so that no worker starts a long file while the others run out of work. With
 # --no-loadscope-reorder (Makefile) xdist hands out files in collection order; pytest-xdist's default
 # order (most tests first) put the two-test console file, 190 s, last.
-LONGEST_FIRST = ("test_smoke_matrix.py",  # 270
-                 "test_console.py",  # 165
-                 "test_resume.py", "test_tracking_server.py",  # 140, 103
-                 "test_slice_long_context.py", "test_bf16.py", "test_sweeps.py",  # 90-74
-                 "test_slice_multilingual.py", "test_tracking_ui.py", "faults/test_fault_disk.py", "test_pipeline.py",
-                 "test_sweep_overlap.py", "faults/test_fault_reference_process.py", "test_models.py",  # 59-43
-                 "test_export.py", "test_slurm.py", "quant/test_w8a8_bf16.py")  # 35-29
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank = {name: position for position, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0].removeprefix("tests/"), len(rank)))
+LONGEST_FIRST = ("test_smoke_matrix.py", "test_console.py",  # 182, 122 s in a suite run of 2026-12-02
+                 "test_bf16.py", "test_sweeps.py", "test_resume.py",  # ~110, 109, ~100
+                 "test_tracking_server.py", "test_slice_long_context.py", "test_pipeline.py",  # 75-64
+                 "faults/test_fault_disk.py", "test_sweep_overlap.py", "faults/test_fault_reference_process.py",
+                 "test_models.py", "test_export.py",  # ~58-44
+                 "test_tracking_ui.py", "test_slurm.py", "test_slice_multilingual.py", "test_compare.py",
+                 "test_background_reference.py", "quant/test_w8a8_bf16.py")  # 37-31
 
 
 @pytest.fixture(scope="session")

@@ -182,7 +182,7 @@ def test_killed_job_resumes_from_its_checkpoint_and_logs_one_run(tmp_path, cache
 
     # 4. force=true recomputes everything (no checkpoint left to replay) with the same answers.
     time.sleep(1.1)  # finished_at has a resolution of one second
-    run_harness(*args, "force=true", cwd=work)
+    run_mod.run(compose([*args, "force=true", "runtime.threads=1"]))  # in this process, one thread as the jobs
     forced = json.loads((results_dir / "summary.json").read_text())
     assert forced["finished_at"] != resumed["finished_at"]
     assert forced["checkpoint"]["restored_requests"]["math"] == 0

@@ -279,9 +279,9 @@ def task_manager(slice_: Slice, settings: EvalSettings) -> Any:
             loaded = load(*args, **kwargs)
             for task in loaded["tasks"].values():
                 if task.get_config("output_type") == "generate_until":
-                    kwargs = dict(task.get_config("generation_kwargs") or {})
-                    kwargs["max_gen_toks"] = min(int(kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS)), cap)
-                    task.set_config(key="generation_kwargs", value=kwargs)
+                    generation = dict(task.get_config("generation_kwargs") or {})
+                    generation["max_gen_toks"] = min(int(generation.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS)), cap)
+                    task.set_config(key="generation_kwargs", value=generation)
             return loaded
 
         manager.load = load_capped

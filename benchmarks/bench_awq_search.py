@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from harness import divergence, models
+from harness.divergence import scoring as divergence
+from harness.models import loading as models
 from harness.config import REPO_DIR, CalibrationConfig, load_model_config
 from harness.quant import awq
 from harness.quant.base import QuantReport, target_linears

@@ -1,7 +1,7 @@
 """Calibration domain as an axis (issue 14): does a code-calibrated GPTQ/AWQ do better on code?
 
 Runs the sweep ``schemes x sources`` on ``slices`` (each job is ``python -m harness``'s own
-``harness.run``, so the references are shared and cached, the calibrated weights are cached per
+``harness.job.pipeline``, so the references are shared and cached, the calibrated weights are cached per
 source, and every job's results land in ``results_dir``), then prints and writes:
 
 - per job and slice, against the reference: accuracy (reference, quantized), the flips
@@ -136,7 +136,7 @@ def _format(rows: list[dict[str, Any]], columns: list[str]) -> str:
 def _body(parsed: cli.Parsed[Options]) -> int:
     from harness.config import compose
     from harness.quant.calibration import validate_calibration
-    from harness.run import run
+    from harness.job.pipeline import run
 
     options = parsed.options
     assert options is not None

@@ -35,10 +35,12 @@ from typing import Any
 import pandas as pd
 import torch
 
-from harness import cli, evaluate, models
+from harness import cli
+from harness.evaluation import evaluate
+from harness.models import loading as models
 from harness.config import REPO_DIR
-from harness.run import eval_settings, to_config, tokenizer_dir
-from harness.slices import Slice, resolve
+from harness.job.pipeline import eval_settings, to_config, tokenizer_dir
+from harness.evaluation.slices import Slice, resolve
 
 OUT = REPO_DIR / "benchmarks" / "results" / "eval_speed.json"
 
@@ -133,7 +135,7 @@ def pure_generate_s(model: Any, requests: list[tuple[list[int], int]], batch_siz
 @torch.inference_mode()
 def pure_shared_context_s(model: Any, pairs: list[tuple[list[int], list[int]]], batch_size: int, pad: int) -> float:
     """The choices of one context scored after a single pass over it (``eval.generator=harness``)."""
-    from harness.generation import shared_context_logprobs
+    from harness.evaluation.generation import shared_context_logprobs
 
     groups: dict[tuple[int, ...], list[list[int]]] = {}
     for context, continuation in pairs:

@@ -15,7 +15,7 @@ or differ. The faults:
 * the reference's second process SIGKILLed (what the kernel's OOM killer sends) and SIGSTOPped
   (a stall, ``runtime.reference_stall_s=20``);
 * the existing ones: SIGKILL of the job mid-evaluation and a rerun, tracking server down then
-  ``harness.sync``, a stale lock of a dead process, and a live reference owner that dies.
+  ``harness.results.sync``, a stale lock of a dead process, and a live reference owner that dies.
 
 Writes benchmarks/results/faults.json and prints the README's Markdown table.
 
@@ -156,10 +156,10 @@ def unshare_works() -> bool:
 
 def reference_key_of(args: list[str]) -> str:
     sys.path.insert(0, str(REPO))
-    from harness import models
+    from harness.models import loading as models
     from harness.config import compose
-    from harness.identity import reference_key, to_config
-    from harness.slices import resolve
+    from harness.job.identity import reference_key, to_config
+    from harness.evaluation.slices import resolve
 
     cfg = to_config(compose(args))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)
@@ -168,7 +168,7 @@ def reference_key_of(args: list[str]) -> str:
 
 OOM_PROGRAM = """
 import runpy, sys, torch
-import harness.models as models
+import harness.models.loading as models
 load = models.load
 def out_of_memory(module, args):
     if args[0].shape[0] > 2:
@@ -354,7 +354,7 @@ def main() -> int:
         rc, text = job(args, directory / "second.log")
         return [first, rc], said(text), directory / "results", undisturbed
 
-    @fault("tracking server down", "tracking.uri=http://127.0.0.1:9 (nothing listens); harness.sync later")
+    @fault("tracking server down", "tracking.uri=http://127.0.0.1:9 (nothing listens); harness.results.sync later")
     def _(directory):
         cache = fresh_cache(directory / "cache", like=base)
         args = [*TINY, "quant=int8", *paths(f"{directory.name}/results", cache), "tracking.enabled=true",
@@ -383,7 +383,7 @@ def main() -> int:
         cache = fresh_cache(directory / "cache")
         args = [*TINY, "quant=int8", *paths(f"{directory.name}/results", cache)]
         lease = cache / "reference" / f"{reference_key_of(args)}.lease"
-        holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom harness.locks import OwnedLock\n"
+        holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom harness.infra.locks import OwnedLock\n"
                                    f"OwnedLock({str(lease)!r}).acquire()\nprint('held', flush=True)\ntime.sleep(3600)"],
                                   cwd=REPO, env=env(), stdout=subprocess.PIPE, text=True)
         assert holder.stdout.readline().strip() == "held"

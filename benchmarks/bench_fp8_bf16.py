@@ -30,12 +30,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from harness import divergence, models, quant
-from harness.cache import Cache
+from harness import quant
+from harness.divergence import scoring as divergence
+from harness.models import loading as models
+from harness.infra.cache import Cache
 from harness.config import REPO_DIR, compose
-from harness.identity import divergence_texts, eval_settings, to_config, tokenizer_dir
+from harness.job.identity import divergence_texts, eval_settings, to_config, tokenizer_dir
 from harness.quant.calibration import CalibrationContext, offline_corpus
-from harness.slices import resolve
+from harness.evaluation.slices import resolve
 
 SCHEMES = ["fp8", "fp8_block", "fp8_static", "int8_w8a8", "nvfp4", "mxfp8", "fp8_w8a16"]
 E4M3 = torch.float8_e4m3fn

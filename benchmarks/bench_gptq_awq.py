@@ -34,14 +34,15 @@ from typing import Any, Callable
 import torch
 from omegaconf import OmegaConf
 
-from harness import divergence, models
-from harness.cache import Cache
+from harness.divergence import scoring as divergence
+from harness.models import loading as models
+from harness.infra.cache import Cache
 from harness.config import REPO_DIR, CalibrationConfig, SliceConfig, compose, load_model_config
 from harness.quant import awq, gptq
 from harness.quant.base import QuantReport, target_linears, with_model_defaults
 from harness.quant.calibration import CalibrationContext, offline_corpus
 from harness.quant.rtn import quantize_weights_rtn
-from harness.slices import resolve
+from harness.evaluation.slices import resolve
 
 SCHEMES = {"rtn_sym": "int4_g128", "rtn_asym": "int4_g128_asym", "gptq": "gptq_w4g128", "awq": "awq_w4g128"}
 BASELINE = {"gptq": "rtn_sym", "awq": "rtn_asym"}

@@ -29,8 +29,8 @@ from types import ModuleType
 import torch
 from omegaconf import OmegaConf
 
-from harness import models
-from harness.cache import Cache
+from harness.models import loading as models
+from harness.infra.cache import Cache
 from harness.config import REPO_DIR, CalibrationConfig, compose, load_model_config
 from harness.quant import awq, gptq
 from harness.quant.base import QuantReport, target_linears, with_model_defaults

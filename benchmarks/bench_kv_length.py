@@ -6,14 +6,14 @@ reports KL(ref‖quant) and top-1 agreement per position bucket (0–128, …, 4
 (kv8: static FP8 scales calibrated as the pipeline does; kv4: KIVI-style INT4) are set against a
 weight scheme (int4_g128) whose error has no reason to depend on position. All numbers come
 from the harness's own code: ``divergence.score_reference`` (store=hidden) and
-``divergence.compare_to_reference``; buckets and summaries from ``harness.token_stats``.
+``divergence.compare_to_reference``; buckets and summaries from ``harness.divergence.token_stats``.
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_kv_length.py \
         [--schemes kv8,kv4,int4_g128] [--texts 2] [--max-tokens 8192] [--threads 1]
 
 Writes benchmarks/results/kv_length.json, kv_length.md and kv_length.png (kv_length_4k.* is the same
 run at --max-tokens 4096, renamed by hand). Per-token SEs treat
-tokens as independent (optimistic: neighbouring tokens correlate), as harness.token_stats does.
+tokens as independent (optimistic: neighbouring tokens correlate), as harness.divergence.token_stats does.
 """
 from __future__ import annotations
 
@@ -28,11 +28,15 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from harness import divergence, models, quant, report, token_stats
+from harness import quant
+from harness.divergence import scoring as divergence
+from harness.models import loading as models
+from harness.results import report
+from harness.divergence import token_stats
 from harness.config import REPO_DIR, compose
-from harness.identity import to_config
-from harness.report_quant import prepare
-from harness.summary import Comparison
+from harness.job.identity import to_config
+from harness.decision.quant_report import prepare
+from harness.results.summary import Comparison
 
 EDGES = [0, 128, 512, 1024, 2048, 4096]  # the last bucket, [4096, inf), holds 4k-8k at --max-tokens 8192
 RESULTS = REPO_DIR / "benchmarks" / "results"

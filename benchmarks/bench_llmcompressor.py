@@ -43,8 +43,9 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gptq_awq import held_out_windows, layer_errors  # noqa: E402  (sibling benchmark's helpers)
 
-from harness import divergence, models  # noqa: E402
-from harness.cache import Cache  # noqa: E402
+from harness.divergence import scoring as divergence
+from harness.models import loading as models  # noqa: E402
+from harness.infra.cache import Cache  # noqa: E402
 from harness.config import REPO_DIR, CalibrationConfig, compose, load_model_config  # noqa: E402
 from harness.quant import gptq  # noqa: E402
 from harness.quant.base import QuantReport, target_linears, with_model_defaults  # noqa: E402

@@ -33,12 +33,14 @@ from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness import divergence, models, quant  # noqa: E402
-from harness.cache import Cache  # noqa: E402
+from harness import quant
+from harness.divergence import scoring as divergence
+from harness.models import loading as models  # noqa: E402
+from harness.infra.cache import Cache  # noqa: E402
 from harness.config import compose  # noqa: E402
 from harness.quant import smoothquant  # noqa: E402,F401  (registers "smoothquant")
 from harness.quant.calibration import CalibrationContext  # noqa: E402
-from harness.sensitivity import reference_texts  # noqa: E402
+from harness.planning.sensitivity import reference_texts  # noqa: E402
 
 QUANTIZE = ["int8", "int4", "int4_g128", "fp8_w8a16", "fp8", "fp8_block", "nvfp4", "mxfp4", "mxfp8",
             "int8_w8a8", "int8_w8a8_sq"]

@@ -24,10 +24,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from harness import divergence, models, quant
+from harness import quant
+from harness.divergence import scoring as divergence
+from harness.models import loading as models
 from harness.config import REPO_DIR, compose, load_model_config
-from harness.identity import divergence_texts, eval_settings, to_config, tokenizer_dir
-from harness.slices import resolve
+from harness.job.identity import divergence_texts, eval_settings, to_config, tokenizer_dir
+from harness.evaluation.slices import resolve
 
 BYTES_PER_LOGPROB = 4  # float32, as score_reference stores them
 BYTES_PER_ID = 4  # int32 ids

@@ -211,7 +211,7 @@ class _RandomCalibration:
     """A calibration context with seeded random tokens (no tokenizer, no text)."""
 
     def __init__(self, scheme: Any, vocab: int, device: torch.device, cache_dir: Path, samples: int, seq_len: int):
-        from harness.cache import Cache
+        from harness.infra.cache import Cache
         generator = torch.Generator().manual_seed(0)
         self._tokens = torch.randint(0, vocab, (samples, seq_len), generator=generator)
         self.scheme, self.device, self.cache, self.batch_size = scheme, device, Cache(cache_dir), 8
@@ -242,7 +242,7 @@ def scheme_names() -> list[str]:
 def section_schemes(check: Check, device: torch.device, shape: dict, cache_dir: Path) -> None:
     from harness import quant
     from harness.config import compose
-    from harness.run import to_config
+    from harness.job.pipeline import to_config
     opts = check.options
     base = random_llama(shape, 2, device, torch.bfloat16)
     samples, seq_len = (16, 512) if not opts.dry_run else (4, 64)
@@ -337,7 +337,7 @@ class _RealFp8Linear(torch.nn.Module):
 def _fp8_scheme(all_linears: bool) -> Any:
     from harness import quant
     from harness.config import compose
-    from harness.run import to_config
+    from harness.job.pipeline import to_config
     scheme = quant.with_model_defaults(to_config(compose(["model=tiny_random", "quant=fp8"])).quant, False)
     if all_linears:
         scheme.targets, scheme.keep = ["*"], []
@@ -414,8 +414,8 @@ def section_fp8_gemm(check: Check, device: torch.device, shape: dict) -> None:
 
 
 def section_generation(check: Check, device: torch.device, shape: dict) -> None:
-    """harness.generation's greedy decode against HF generate on the device in bf16 (2 blocks of the shape)."""
-    from harness.generation import greedy_generate
+    """harness.evaluation.generation's greedy decode against HF generate on the device in bf16 (2 blocks of the shape)."""
+    from harness.evaluation.generation import greedy_generate
     model = random_llama(shape, 2, device, torch.bfloat16, seed=3)
     gen = torch.Generator().manual_seed(4)
     lengths = [5, 40, 17, 64, 3, 29, 50, 11]
@@ -440,7 +440,7 @@ def section_generation(check: Check, device: torch.device, shape: dict) -> None:
 
 
 def section_e2e(check: Check, device: str, work: Path) -> None:
-    from harness import run as run_mod
+    from harness.job import pipeline as run_mod
     from harness.config import compose
     base = ["model=tiny_random", "model.dtype=bfloat16", "slices=[math]", "tracking.enabled=false", "force=true",
             "slices.math.n_items=" + ("4" if check.options.dry_run else "18"), "slices.math.divergence_texts=2",
@@ -484,7 +484,7 @@ def body(parsed: cli.Parsed[Options]) -> int:
     if not opts.dry_run and not torch.cuda.is_available():
         raise cli.UsageError(f"no CUDA device visible (torch {torch.__version__}, CUDA build {torch.version.cuda}); "
                              "run on a GPU machine, or pass --dry-run to check the script on the CPU")
-    from harness.devices import check as check_device
+    from harness.infra.devices import check as check_device
     device_name = check_device(device_name, torch.bfloat16, option="device")
     device = torch.device(device_name)
     shape = TINY if opts.dry_run else LLAMA_8B

@@ -19,8 +19,8 @@ import time
 import torch
 from omegaconf import OmegaConf
 
-from harness import models
-from harness.cache import Cache
+from harness.models import loading as models
+from harness.infra.cache import Cache
 from harness.config import CalibrationConfig, compose, load_model_config
 from harness.quant import awq, gptq
 from harness.quant.base import QuantReport, with_model_defaults

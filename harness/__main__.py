@@ -6,7 +6,7 @@ a model that cannot be loaded, a scheme that cannot apply, an unusable slice or 
 status 2, without Hydra's "Error executing job" traceback. A disk that fills up during the job
 prints one line too (where, how much, how to resume) and exits with 75. Real bugs keep their traceback.
 The console shows the job's progress and the harness's messages; libraries' messages go to
-``results/<run>/job.log`` (:func:`harness.joblog.job_console`; ``hydra.verbose=true`` shows them too).
+``results/<run>/job.log`` (:func:`harness.infra.joblog.job_console`; ``hydra.verbose=true`` shows them too).
 """
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from harness import cli, joblog
+from harness import cli
 from harness.config import CONF_DIR, register_configs
+from harness.infra import joblog
 
 register_configs()
 
@@ -25,8 +26,8 @@ register_configs()
 def main(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
 
-    from harness import resources
-    from harness.run import run
+    from harness.job import disk
+    from harness.job.pipeline import run
 
     try:
         with joblog.job_console(verbose=bool(HydraConfig.get().verbose)):
@@ -34,11 +35,11 @@ def main(cfg: DictConfig) -> float | None:
     except cli.user_errors() as exc:
         sys.exit(cli.fail(str(exc)))  # SystemExit passes Hydra's job wrapper: no traceback around it
     except Exception as exc:  # a full disk mid-job: one line, a status of its own, a rerun resumes
-        if not resources.is_disk_full(exc):
+        if not disk.is_disk_full(exc):
             raise
         paths = {"paths.results_dir": cfg.paths.results_dir, "paths.cache_dir": cfg.paths.cache_dir}
-        print(f"\nerror: {resources.disk_full_message(exc, paths)}", file=sys.stderr)  # below a progress bar
-        sys.exit(resources.EXIT_DISK_FULL)
+        print(f"\nerror: {disk.disk_full_message(exc, paths)}", file=sys.stderr)  # below a progress bar
+        sys.exit(disk.EXIT_DISK_FULL)
     return result.get("metrics", {}).get("overall/kl_mean")
 
 

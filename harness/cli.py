@@ -10,7 +10,7 @@ Every ``python -m harness.<tool>`` takes the same kinds of argument:
 * bare words (paths) collected into the field named by :attr:`Tool.positional`;
 * ``-h`` / ``--help`` prints the options with their defaults and exits 0;
 * ``-v`` / ``--verbose`` shows libraries' log messages on the console too (otherwise they go
-  to the job's log, :func:`harness.joblog.job_console`).
+  to the job's log, :func:`harness.infra.joblog.job_console`).
 
 A typo (an unknown key, a wrong type, an unknown config-group option) fails before any work,
 with a message in one style: ``error: <what is wrong>; <what is valid>``, exit status 2.
@@ -29,15 +29,12 @@ from typing import Any, Callable, Generic, Sequence, TypeVar
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from harness.errors import EXIT_USAGE, UsageError, UserError
+
 T = TypeVar("T")
-EXIT_USAGE = 2
 _HELP = ("-h", "--help", "help")
 _VERBOSE = ("-v", "--verbose")
 _GROUPS = ("model", "quant", "slices")
-
-
-class UsageError(ValueError):
-    """A command line that cannot be run; the message names the argument and what is valid."""
 
 
 @dataclass(frozen=True)
@@ -50,7 +47,7 @@ class Tool(Generic[T]):
     run_config: bool = False  # other key=value arguments are overrides of the run config
     positional: str | None = None  # options field (a list) that collects bare arguments
     flags: tuple[str, ...] = ()  # bare flags the tool accepts (e.g. "-m"); returned in Parsed.flags
-    bad_input_status: int = EXIT_USAGE  # exit status of a user error (harness.gate: 3, since 2 means inconclusive)
+    bad_input_status: int = EXIT_USAGE  # exit status of a user error (harness.decision.gate: 3, since 2 means inconclusive)
 
 
 @dataclass
@@ -202,14 +199,9 @@ def help_text(tool: Tool) -> str:
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-    """Exception types whose message already names the problem and its fix (no traceback needed)."""
-    from harness.models import ModelLoadError
-    from harness.placement import PlacementError
-    from harness.quant.tensor import SchemeError
-    from harness.slices import SliceError
-    from harness.tracking import TrackingError
-
-    return (UsageError, ModelLoadError, PlacementError, SchemeError, SliceError, TrackingError, FileNotFoundError)
+    """Exception types whose message already names the problem and its fix (no traceback needed):
+    every :class:`harness.errors.UserError`, and a missing file named by the user."""
+    return (UserError, FileNotFoundError)
 
 
 def fail(message: str) -> int:
@@ -236,7 +228,7 @@ def main(tool: Tool[T], body: Callable[[Parsed[T]], int | None], argv: Sequence[
         return tool.bad_input_status
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
-    from harness.joblog import job_console
+    from harness.infra.joblog import job_console
 
     try:
         with job_console(verbose=verbose):

@@ -35,7 +35,7 @@ class ModelConfig:
     gguf_file: Optional[str] = None  # file inside the package (gguf_package only)
     revision: Optional[str] = None  # hub revision (pin it for reproducible sweeps)
     dtype: str = "float32"  # float32 on CPU; bfloat16 on GPU (bf16 is ~5x slower on CPU)
-    # cpu | cuda | cuda:N | auto. An unindexed cuda becomes cuda:0 here, once (harness.devices.normalize);
+    # cpu | cuda | cuda:N | auto. An unindexed cuda becomes cuda:0 here, once (harness.infra.devices.normalize);
     # auto loads through accelerate's device_map="auto": layers spread over the visible GPUs, the rest
     # offloaded to CPU RAM (then disk) past max_memory.
     device: str = "cpu"
@@ -53,7 +53,7 @@ class ModelConfig:
     tiny: Optional[TinyModelConfig] = None  # only for source=tiny_random
 
     def __post_init__(self) -> None:
-        from harness.devices import normalize
+        from harness.infra.devices import normalize
         self.device = normalize(self.device)  # pure string work: no CUDA call at config time
 
 
@@ -130,7 +130,7 @@ class SmoothQuantConfig:
 @dataclass
 class CalibrationConfig:
     # The calibration text's domain: prose (= offline, the default: stdlib docstrings) | code | multilingual | math
-    # (offline, built from installed packages; harness.calibration_sources) | dataset (below). The default's value
+    # (offline, built from installed packages; harness.quant.calibration_sources) | dataset (below). The default's value
     # stays "offline" so run keys of existing results are unchanged.
     source: str = "offline"
     dataset: Optional[str] = None  # datasets name, e.g. wikitext (cluster runs)
@@ -179,7 +179,7 @@ class SliceConfig:
     # gold texts: the long-generation slice's view of error growing with length.
     divergence_from_reference: bool = False
     # Items whose served text (prompt as evaluated + the reference's reply) is scored for KL when the model
-    # is evaluated through its chat template (harness.identity.served_texts); None: every item.
+    # is evaluated through its chat template (harness.job.identity.served_texts); None: every item.
     served_texts: Optional[int] = None
     metadata: dict[str, Any] = field(default_factory=dict)  # passed to the item generator
 
@@ -199,7 +199,7 @@ class EvalConfig:
     # checkpoints (model.path and candidate.path; quant=external), the same engine a deployment serves with
     backend: str = "hf"
     # Greedy generation with backend=hf: harness (rows leave the batch as they finish; same replies, a
-    # fraction of the decode steps on a CPU: harness.generation) | hf (HF generate, as lm-eval runs it)
+    # fraction of the decode steps on a CPU: harness.evaluation.generation) | hf (HF generate, as lm-eval runs it)
     generator: str = "harness"
     # Caps every generation task's max_gen_toks (each keeps its own where that is lower); null: each task's
     # own. A smoke run's knob: replies cut short score differently, so a capped run is its own result (run key,
@@ -207,7 +207,7 @@ class EvalConfig:
     # always runs to the cap: the test suite's tiny jobs use it.
     max_gen_toks: Optional[int] = None
     position_buckets: list[int] = field(default_factory=lambda: [0, 128, 512, 1024, 2048, 4096, 8192])
-    # Sequential evaluation (harness.sequential): the candidate answers each slice's items in rounds of
+    # Sequential evaluation (harness.evaluation.sequential): the candidate answers each slice's items in rounds of
     # whole clusters (seeded random order) and a slice stops once its anytime-valid confidence sequence
     # settles the gate's decision (pass / fail at gate.alpha and the slice's margin); off by default.
     sequential: bool = False
@@ -239,7 +239,7 @@ class TokenGateConfig:
 
 @dataclass
 class GateConfig:
-    """The ship / no-ship decision per slice (harness.gate): pass, fail or inconclusive."""
+    """The ship / no-ship decision per slice (harness.decision.gate): pass, fail or inconclusive."""
 
     enabled: bool = False  # gate every job at its end (gate.json + gate.xml in results/<run>/)
     margin: Optional[float] = None  # non-inferiority margin in accuracy (0.02 = 2 pt); None: compare.margin
@@ -285,7 +285,7 @@ class RuntimeConfig:
     # more threads than free cores every thread waits on the slowest (4x slower measured here).
     threads: Optional[int] = None
     # auto | true | false: on a CPU job with >= 2 threads, compute missing references in a second
-    # process (half the threads) while this one quantizes and evaluates (harness.background_reference)
+    # process (half the threads) while this one quantizes and evaluates (harness.job.background_reference)
     reference_process: str = "auto"
     # seconds without progress (no forward of its model) after which that second process is reported
     # as stalled, killed and replaced by this job computing its references; longer than any one step

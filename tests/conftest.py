@@ -27,7 +27,7 @@ def pytest_configure(config: pytest.Config) -> None:
     (``runtime.threads=null`` reads it) and the subprocesses it spawns inherit the share. A
     value the user exported is kept.
     """
-    from harness.runtime import choose_threads
+    from harness.infra.runtime import choose_threads
 
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if not workers or "OMP_NUM_THREADS" in os.environ:

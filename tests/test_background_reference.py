@@ -4,8 +4,10 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from harness import background_reference, identity, models
-from harness.run import run
+from harness.job import background_reference
+from harness.job import identity
+from harness.models import loading as models
+from harness.job.pipeline import run
 
 TINY = ["model=tiny_random", "slices=[math]", "slices.math.n_items=9", "slices.math.divergence_texts=2",
         "slices.math.tasks=[harness_math_gen,harness_math_mc]", "quant=int4_g128", "tracking.enabled=false"]

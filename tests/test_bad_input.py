@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from harness import identity, models, run as run_mod
+from harness.job import identity
+from harness.models import loading as models
+from harness.job import pipeline as run_mod
 from harness.config import SliceConfig, load_model_config
 from harness.quant import SchemeError
-from harness.slices import SliceError
+from harness.evaluation.slices import SliceError
 from tests.conftest import TINY_MATH
 
 REPO = Path(__file__).resolve().parents[1]
@@ -110,7 +112,7 @@ def test_unreachable_tracking_server_keeps_results_on_disk(make_cfg, tmp_path, c
 
 
 def test_sync_command_line_errors_are_one_line(tmp_path, capsys):
-    from harness import sync
+    from harness.results import sync
 
     assert sync.main([]) == 2
     assert capsys.readouterr().err.strip() == "error: no results directory given; e.g. python -m harness.sync results/"
@@ -139,10 +141,10 @@ def test_a_user_fixable_error_of_the_job_is_one_line_without_traceback(tmp_path)
 @pytest.mark.slow
 def test_a_real_bug_keeps_its_traceback(tmp_path):
     program = ("import runpy, sys\n"
-               "import harness.run\n"
+               "import harness.job.pipeline\n"
                "def broken(cfg):\n"
                "    raise RuntimeError('a bug, not the user')\n"
-               "harness.run.run = broken\n"
+               "harness.job.pipeline.run = broken\n"
                "sys.argv = ['harness', 'model=tiny_random', 'tracking.enabled=false']\n"
                "runpy.run_module('harness', run_name='__main__', alter_sys=True)\n")
     out = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, capture_output=True, text=True, timeout=300,

@@ -28,10 +28,12 @@ import pandas as pd
 import pytest
 import torch
 
-from harness import divergence, identity, models
-from harness import run as run_mod
+from harness.divergence import scoring as divergence
+from harness.job import identity
+from harness.models import loading as models
+from harness.job import pipeline as run_mod
 from harness.config import compose
-from harness.slices import resolve
+from harness.evaluation.slices import resolve
 
 SCHEMES = ["int4_g128", "fp8", "nvfp4", "gptq_w4g128", "awq_w4g128", "int8_w8a8_sq", "kv8"]
 TINY = ["model=tiny_random", "slices=[math]", "slices.math.n_items=18", "slices.math.divergence_texts=4",

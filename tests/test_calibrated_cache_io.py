@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from harness.cache import Cache
+from harness.infra.cache import Cache
 from harness.quant import calibrated_cache as cc
 from harness.quant.base import QuantReport
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from harness import candidate
+from harness.checkpoint import candidate
 from harness.config import compose
 
 pytest.importorskip("compressed_tensors")
@@ -17,9 +17,10 @@ pytest.importorskip("compressed_tensors")
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """tiny_random quantized by the harness (int4 g128) and exported as compressed-tensors."""
-    from harness import export, quant
+    from harness import quant
+    from harness.checkpoint import export
     from harness.quant.base import target_linears
-    from harness.report_quant import prepare
+    from harness.decision.quant_report import prepare
 
     cfg = OmegaConf.to_object(compose(["quant=int4_g128", "model=tiny_random"]))
     prepared = prepare(cfg)
@@ -156,9 +157,10 @@ def test_every_linears_shape_is_compared_and_an_empty_weight_report_is_an_error(
 def test_export_and_candidate_count_kept_linears_alike(tmp_path):
     """A mixed scheme (block 0 kept) exported, then read back as a candidate: the export's bits per weight as
     written, the candidate's quant summary and a hand count agree (fp32 model: scales stored as fp32)."""
-    from harness import export, quant
+    from harness import quant
+    from harness.checkpoint import export
     from harness.quant.base import target_linears
-    from harness.report_quant import prepare
+    from harness.decision.quant_report import prepare
 
     cfg = OmegaConf.to_object(compose(["quant=int4_g128", "model=tiny_random", f"paths.cache_dir={tmp_path}",
                                        "quant.keep=[lm_head,'*embed*','model.layers.0.*']"]))

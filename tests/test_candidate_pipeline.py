@@ -11,10 +11,12 @@ from omegaconf import OmegaConf
 
 pytest.importorskip("compressed_tensors")
 
-from harness import cli, export, quant, run as run_mod  # noqa: E402
+from harness import cli, quant
+from harness.checkpoint import export
+from harness.job import pipeline as run_mod  # noqa: E402
 from harness.config import compose  # noqa: E402
 from harness.quant.base import target_linears  # noqa: E402
-from harness.report_quant import prepare  # noqa: E402
+from harness.decision.quant_report import prepare  # noqa: E402
 from tests.conftest import TINY_MATH  # noqa: E402
 
 

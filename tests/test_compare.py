@@ -18,7 +18,8 @@ from scipy import stats as sps
 from statsmodels.stats.contingency_tables import mcnemar
 from statsmodels.stats.multitest import multipletests
 
-from harness import cli, run as run_mod
+from harness import cli
+from harness.job import pipeline as run_mod
 from harness.compare import (CompareOptions, RunData, analyse, compare_runs, load_results_dir, main, parse_options,
                              write_report)
 from harness.compare.render import plots
@@ -338,7 +339,7 @@ def _harness_imports(path: Path, module: str) -> set[str]:
     """The harness modules ``path`` imports anywhere (module level, in functions, under TYPE_CHECKING)."""
     import ast
 
-    root = Path(run_mod.__file__).resolve().parent.parent
+    root = Path(run_mod.__file__).resolve().parents[2]
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
 
     def is_module(name: str) -> bool:
@@ -361,7 +362,7 @@ def _harness_imports(path: Path, module: str) -> set[str]:
 
 def compare_import_graph() -> dict[str, set[str]]:
     """``harness.compare.*`` module -> the harness modules it imports."""
-    package_dir = Path(run_mod.__file__).resolve().parent / "compare"
+    package_dir = Path(run_mod.__file__).resolve().parents[1] / "compare"
     graph = {}
     for path in sorted(package_dir.rglob("*.py")):
         parts = path.relative_to(package_dir.parent.parent).with_suffix("").parts
@@ -391,10 +392,10 @@ def test_compare_package_imports_one_way():
         for leaf in leaves:
             del remaining[leaf]
     # the run's report shares the comparison's formatters without importing the comparison
-    report_imports = _harness_imports(Path(run_mod.__file__).with_name("report.py"), "harness.report")
-    assert "harness.formatting" in report_imports
+    report_imports = _harness_imports(Path(run_mod.__file__).parents[1] / "results" / "report.py", "harness.results.report")
+    assert "harness.results.formatting" in report_imports
     assert not any(name.startswith("harness.compare") for name in report_imports)
-    assert all("harness.formatting" in graph[m] for m in ("harness.compare.render.tables",))
+    assert all("harness.results.formatting" in graph[m] for m in ("harness.compare.render.tables",))
 
 
 @pytest.mark.slow

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import devices, models
-from harness import run as run_mod
+from harness.infra import devices
+from harness.models import loading as models
+from harness.job import pipeline as run_mod
 from harness.config import ModelConfig, compose, load_model_config
 from harness.quant import adapters
 

@@ -1,4 +1,4 @@
-"""harness.divergence against an independent reference: scipy on float64 full softmaxes.
+"""harness.divergence.scoring against an independent reference: scipy on float64 full softmaxes.
 
 A one-layer random Llama (transformers) is the reference, a copy with perturbed weights the
 "quantized" model. The exact per-token KL in both directions, the NLLs, the probabilities of
@@ -17,7 +17,7 @@ import torch
 from scipy.special import log_softmax, rel_entr
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from harness.divergence import compare_to_reference, score_reference
+from harness.divergence.scoring import compare_to_reference, score_reference
 
 VOCAB = 96
 
@@ -151,7 +151,7 @@ def test_tolerance_accepts_one_rounding_step_that_allclose_1e3_rejected():
     """Two bf16 GEMMs that accumulate in a different order differ by one bf16 step on a few logits
     (seen at 8B shapes: 0.01 % of logits, max |Δ log p| 0.031). The dtype-derived tolerance accepts
     that; the former atol = rtol = 1e-3 check rejected it."""
-    from harness.divergence import _agreement
+    from harness.divergence.scoring import _agreement
     torch.manual_seed(0)
     logits = (6 * torch.randn(63, 4096)).to(torch.bfloat16)
     other = _bf16_step(logits, 1e-4)
@@ -179,7 +179,7 @@ def test_head_check_passes_in_the_models_dtype(models, dtype):
 @pytest.mark.parametrize("wrong", ["softcap", "logit_scale", "other_weight"])
 def test_head_check_catches_a_wrong_head(models, dtype, wrong, monkeypatch):
     """A head the harness would recompute wrongly fails the check, in fp32 and in bf16."""
-    from harness import divergence
+    from harness.divergence import scoring as divergence
     reference = copy.deepcopy(models[0]).to(dtype)
     if wrong == "softcap":  # OutputHead applies a soft-cap this model's forward does not
         reference.config.final_logit_softcapping = 4.0
@@ -209,11 +209,11 @@ def test_head_check_catches_a_wrong_head(models, dtype, wrong, monkeypatch):
 @pytest.mark.slow
 def test_every_slice_of_a_run_shares_one_frozen_head(make_cfg):
     """The frozen reference head is held (and moved to the device) once per run, not once per slice."""
-    from harness import models
-    from harness.cache import Cache
-    from harness.identity import to_config
-    from harness.reference_stage import compute_reference, share_heads
-    from harness.slices import resolve
+    from harness.models import loading as models
+    from harness.infra.cache import Cache
+    from harness.job.identity import to_config
+    from harness.job.reference import compute_reference, share_heads
+    from harness.evaluation.slices import resolve
 
     cfg = to_config(make_cfg("model=tiny_random", "slices=[math,structured]", "slices.math.n_items=4",
                              "slices.structured.n_items=4", "slices.math.divergence_texts=2",

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 pytest.importorskip("compressed_tensors")
 
-from harness import export as export_mod  # noqa: E402
+from harness.checkpoint import export as export_mod  # noqa: E402
 from harness.config import compose  # noqa: E402
 
 
@@ -83,7 +83,7 @@ def _tolerance(name: str, targets) -> float:
 def _quantized(name: str, *extra: str):
     from harness import quant
     from harness.quant.base import target_linears
-    from harness.report_quant import prepare
+    from harness.decision.quant_report import prepare
 
     cfg = OmegaConf.to_object(compose([f"quant={name}", "model=tiny_random", "quant.calibration.num_samples=8",
                                        "quant.calibration.seq_len=64", *extra]))

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 from scipy import stats as sps
 
-from harness import gate
+from harness.decision import gate
 from harness.config import GateConfig, TokenGateConfig
 from tests.conftest import TINY_MATH
 
@@ -243,7 +243,7 @@ def test_sweep_filter_applies_before_loading(tmp_path):
 
 
 def test_gate_on_a_real_tiny_random_run_reproduces_its_statistics(make_cfg, tmp_path):
-    from harness import run as run_mod
+    from harness.job import pipeline as run_mod
 
     result = run_mod.run(make_cfg(*TINY_MATH, "slices.math.n_items=40", "quant=int4_g128", "tracking.enabled=false"))
     (directory,) = [p for p in (tmp_path / "results").iterdir() if p.is_dir()]

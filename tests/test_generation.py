@@ -1,4 +1,4 @@
-"""harness.generation against HF generate: the same replies, fewer rows decoded."""
+"""harness.evaluation.generation against HF generate: the same replies, fewer rows decoded."""
 from __future__ import annotations
 
 import pandas as pd
@@ -6,9 +6,11 @@ import pytest
 import torch
 from lm_eval.models.utils import postprocess_generated_text
 
-from harness import evaluate, identity, models
-from harness.generation import greedy_generate
-from harness.slices import resolve
+from harness.evaluation import evaluate
+from harness.job import identity
+from harness.models import loading as models
+from harness.evaluation.generation import greedy_generate
+from harness.evaluation.slices import resolve
 
 TINY = ["model=tiny_random", "slices=[math]", "slices.math.n_items=18", "slices.math.divergence_texts=4",
         "slices.math.tasks=[harness_math_gen,harness_math_mc]", "quant=none"]
@@ -105,7 +107,7 @@ def test_shared_context_scoring_matches_full_sequences(tiny, make_cfg):
     """Multiple-choice requests scored with the context run once equal lm-eval's full-sequence scores."""
     from lm_eval.models.huggingface import HFLM
 
-    from harness.generation import shared_context_logprobs
+    from harness.evaluation.generation import shared_context_logprobs
 
     _, loaded = tiny
     model, tok = loaded.model, loaded.tokenizer
@@ -138,9 +140,9 @@ def test_the_tail_stop_check_ends_each_reply_where_decoding_all_of_it_does(share
     and lengths, whitespace runs, and the slices' own stop strings."""
     import random
 
-    from harness.cache import Cache
+    from harness.infra.cache import Cache
     from harness.config import load_model_config
-    from harness.generation import _stop_check
+    from harness.evaluation.generation import _stop_check
 
     (tmp_path / "models").symlink_to(shared_model_cache)
     tok = models.load_tokenizer(load_model_config("smollm2_135m"), Cache(tmp_path))

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import joblog, progress
+from harness.infra import joblog
+from harness.infra import progress
 
 
 @pytest.fixture
@@ -42,7 +43,7 @@ def emit_job_messages() -> None:
     logging.getLogger("lm_eval.models.huggingface").warning("`pretrained` model kwarg is not of type `str`.")
     logging.getLogger("transformers.modeling_utils").warning("Some weights were not initialized\nsecond line")
     logging.getLogger("harness").warning("SHARED TRACKING STORE: parallel jobs on one SQLite file")
-    logging.getLogger("harness.models").info("loaded tiny_random in 0.4s")
+    logging.getLogger("harness.models.loading").info("loaded tiny_random in 0.4s")
     logging.getLogger("datasets").error("dataset script failed\nTraceback (most recent call last): ...")
     with warnings.catch_warnings():  # every call emits it: an earlier test's emission must not dedupe it away
         warnings.simplefilter("always")

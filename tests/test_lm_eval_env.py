@@ -9,8 +9,10 @@ import torch.utils.collect_env
 import transformers
 from lm_eval import evaluator
 
-from harness import evaluate, identity, models
-from harness.slices import resolve
+from harness.evaluation import evaluate
+from harness.job import identity
+from harness.models import loading as models
+from harness.evaluation.slices import resolve
 from tests.conftest import TINY_MATH
 
 

@@ -1,4 +1,4 @@
-"""harness.locks.OwnedLock: exclusion across processes, stale locks broken, live ones waited on."""
+"""harness.infra.locks.OwnedLock: exclusion across processes, stale locks broken, live ones waited on."""
 from __future__ import annotations
 
 import json
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.cache import Cache
-from harness.locks import LockTimeout, OwnedLock
+from harness.infra.cache import Cache
+from harness.infra.locks import LockTimeout, OwnedLock
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,7 +30,7 @@ def test_two_processes_never_hold_it_at_once(tmp_path: Path) -> None:
     code = f"""
         import time
         from pathlib import Path
-        from harness.locks import OwnedLock
+        from harness.infra.locks import OwnedLock
         for _ in range(15):
             with OwnedLock({str(lock)!r}):
                 value = int(Path({str(counter)!r}).read_text())
@@ -51,7 +51,7 @@ def _dead_pid() -> int:
 def test_a_lock_whose_owner_died_on_this_host_is_broken_with_a_warning(tmp_path: Path, caplog) -> None:
     path = tmp_path / "x.lock"
     path.write_text(json.dumps({"host": socket.gethostname(), "pid": _dead_pid(), "started": 0, "token": "t"}))
-    caplog.set_level(logging.WARNING, "harness.locks")
+    caplog.set_level(logging.WARNING, "harness.infra.locks")
     start = time.monotonic()
     with OwnedLock(path, timeout_s=5):
         assert json.loads(path.read_text())["pid"] == os.getpid()
@@ -63,7 +63,7 @@ def test_a_silent_lock_of_another_node_is_broken_after_stale_s(tmp_path: Path, c
     path = tmp_path / "x.lock"
     path.write_text(json.dumps({"host": "node-that-died", "pid": 1, "started": 0, "token": "t"}))
     os.utime(path, (time.time() - 10, time.time() - 10))
-    caplog.set_level(logging.WARNING, "harness.locks")
+    caplog.set_level(logging.WARNING, "harness.infra.locks")
     with OwnedLock(path, timeout_s=5, stale_s=5):
         pass
     assert "no heartbeat for" in caplog.text and "node-that-died" in caplog.text
@@ -75,7 +75,7 @@ def test_a_live_holder_is_waited_for_and_the_timeout_names_the_lock(tmp_path: Pa
     holder = _python(f"""
         import time
         from pathlib import Path
-        from harness.locks import OwnedLock
+        from harness.infra.locks import OwnedLock
         with OwnedLock({str(path)!r}, heartbeat_s=0.1):
             Path({str(ready)!r}).write_text("1")
             time.sleep(3)
@@ -109,7 +109,7 @@ def test_an_ownerless_lock_file_is_judged_by_its_age(tmp_path: Path, caplog) -> 
     path = tmp_path / "x.lock"
     path.write_text("")
     os.utime(path, (time.time() - 10, time.time() - 10))
-    caplog.set_level(logging.WARNING, "harness.locks")
+    caplog.set_level(logging.WARNING, "harness.infra.locks")
     with OwnedLock(path, timeout_s=5, stale_s=5):
         pass
     assert "broke the stale lock" in caplog.text

@@ -11,8 +11,11 @@ import re
 
 import pytest
 
-from harness import evaluate, identity, models, plan
-from harness.slices import resolve
+from harness.evaluation import evaluate
+from harness.job import identity
+from harness.models import loading as models
+from harness.planning import plan
+from harness.evaluation.slices import resolve
 
 TINY = ["model=tiny_random", "slices=[math]", "slices.math.n_items=9", "slices.math.divergence_texts=2",
         "slices.math.tasks=[harness_math_gen,harness_math_mc]", "quant=none"]
@@ -83,7 +86,7 @@ def test_the_plan_counts_the_capped_tokens(make_cfg):
 
 
 def test_a_capped_run_has_its_own_keys_and_an_uncapped_one_keeps_its_old_ones(make_cfg):
-    from harness.cache import stable_hash
+    from harness.infra.cache import stable_hash
 
     base = identity.to_config(make_cfg("model=tiny_random"))
     capped = identity.to_config(make_cfg("model=tiny_random", "eval.max_gen_toks=16"))

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from harness import models
+from harness.models import loading as models
 from harness.config import load_model_config
 
 
@@ -75,7 +75,7 @@ def test_a_gguf_tokenizer_is_built_once_then_read_from_its_cache_entry(tmp_path,
     same chat markup, and no second pass over the GGUF."""
     from transformers import AutoTokenizer
 
-    from harness.cache import Cache
+    from harness.infra.cache import Cache
 
     cfg = load_model_config("smollm2_135m")
     cache = Cache(tmp_path)

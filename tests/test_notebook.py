@@ -15,7 +15,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from harness import run as run_mod
+from harness.job import pipeline as run_mod
 from harness.config import REPO_DIR, compose
 
 NOTEBOOK = REPO_DIR / "notebooks" / "analysis.ipynb"

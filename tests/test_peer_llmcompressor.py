@@ -27,7 +27,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from harness import models, quant
+from harness import quant
+from harness.models import loading as models
 from harness.config import REPO_DIR, compose
 from harness.quant import formats
 

@@ -9,7 +9,8 @@ import pandas as pd
 import pytest
 import torch
 
-from harness import identity, run as run_mod
+from harness.job import identity
+from harness.job import pipeline as run_mod
 from tests.conftest import TINY_MATH
 
 

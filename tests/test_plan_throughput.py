@@ -1,4 +1,4 @@
-"""harness.plan's rates from earlier runs' measured throughput (summary.json ``throughput``)."""
+"""harness.planning.plan's rates from earlier runs' measured throughput (summary.json ``throughput``)."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import plan as plan_mod
+from harness.planning import plan as plan_mod
 from harness.cli import compose_run
 
 PREFILL, DECODE = 1200.0, 40.0  # the rates the synthetic runs were "measured" at
@@ -60,7 +60,7 @@ def test_runs_without_generation_cannot_give_a_decode_rate(tmp_path):
 @pytest.mark.slow
 def test_plan_sweep_uses_a_finished_runs_throughput(make_cfg, tmp_path, cache_dir, capsys):
     """A real run's summary.json, its stage times set to known rates: the plan must estimate with those."""
-    from harness import run as run_mod
+    from harness.job import pipeline as run_mod
     from tests.test_sweeps import TINY, paths
 
     run_mod.run(make_cfg(*TINY, "quant=int8", "tracking.enabled=false"))
@@ -88,7 +88,7 @@ def test_a_gpu_sweep_is_planned_on_a_machine_without_cuda_or_hub_loading_nothing
     roofline for the GPU named, tokens with the stand-in tokenizer; no weights are loaded, and the plan says so."""
     import json
 
-    from harness import models
+    from harness.models import loading as models
 
     monkeypatch.setattr(plan_mod.torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("the plan loaded a model"))
@@ -126,7 +126,7 @@ def test_a_gpu_sweep_is_planned_on_a_machine_without_cuda_or_hub_loading_nothing
 
 
 def test_a_model_larger_than_one_gpu_is_planned_with_a_note(monkeypatch, cache_dir):
-    from harness import ledger
+    from harness.decision import ledger
 
     monkeypatch.setattr(plan_mod.torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(plan_mod, "_tokenizer_for", lambda cfg, cache: object())  # the tokenizer is not the point

@@ -11,7 +11,7 @@ import types
 
 import pytest
 
-from harness import progress
+from harness.infra import progress
 
 
 class Instance:

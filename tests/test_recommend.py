@@ -9,9 +9,9 @@ import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
-from harness import recommend
+from harness.planning import recommend
 from harness.config import QuantConfig
-from harness.recommend import BudgetError, Unit
+from harness.planning.recommend import BudgetError, Unit
 from tests.conftest import TINY_MATH
 
 
@@ -124,7 +124,7 @@ def test_below_frontier():
 @pytest.mark.slow
 def test_recommendation_on_the_tiny_model_end_to_end(make_cfg, tmp_path):
     from harness.quant.base import target_linears
-    from harness.report_quant import prepare
+    from harness.decision.quant_report import prepare
 
     cfg = OmegaConf.to_object(make_cfg(*TINY_MATH, "quant=int4_g128", "tracking.enabled=false"))
     options = recommend.RecommendOptions(budget=recommend.Budget(bits=8.0), granularity="linear", texts=2,

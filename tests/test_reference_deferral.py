@@ -8,11 +8,11 @@ import time
 import pytest
 import torch
 
-from harness import models
-from harness.cache import Cache
-from harness.identity import reference_key, to_config
-from harness.reference_stage import compute_reference, deferred_references, reference_unless_busy
-from harness.slices import resolve
+from harness.models import loading as models
+from harness.infra.cache import Cache
+from harness.job.identity import reference_key, to_config
+from harness.job.reference import compute_reference, deferred_references, reference_unless_busy
+from harness.evaluation.slices import resolve
 from tests.test_sweeps import TINY
 
 

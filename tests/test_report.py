@@ -1,5 +1,5 @@
-"""harness.report: the run's terminal table and report.md show the cluster count beside n,
-and print missing numbers as an en dash (harness.formatting)."""
+"""harness.results.report: the run's terminal table and report.md show the cluster count beside n,
+and print missing numbers as an en dash (harness.results.formatting)."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from harness import formatting, report, summary
+from harness.results import formatting
+from harness.results import report
+from harness.results import summary
 from harness.config import CompareConfig
 
 
@@ -154,7 +156,7 @@ def test_bucket_labels_that_are_not_position_buckets_are_refused():
 def test_a_tiny_random_run_reports_kl_by_position_and_plots_it(make_cfg, tmp_path):
     """End to end: the run's report.md lists every per-position row of its token_stats.parquet, and
     plot_kl_by_position draws them from a Comparison rebuilt off the written parquet."""
-    from harness import run as run_mod
+    from harness.job import pipeline as run_mod
     from tests.conftest import TINY_MATH
 
     run_mod.run(make_cfg(*TINY_MATH, "quant=int4_g128", "tracking.enabled=false", "runtime.threads=1"))

@@ -1,4 +1,4 @@
-"""Per-stage memory and token accounting (harness.resources) and its place in summary.json / MLflow."""
+"""Per-stage memory and token accounting (harness.job.stage_meter) and its place in summary.json / MLflow."""
 from __future__ import annotations
 
 import json
@@ -8,8 +8,10 @@ import pandas as pd
 import pytest
 import torch
 
-from harness import models, resources, run as run_mod
-from harness.identity import to_config
+from harness.models import loading as models
+from harness.job import stage_meter
+from harness.job import pipeline as run_mod
+from harness.job.identity import to_config
 from tests.conftest import TINY_MATH
 
 
@@ -25,7 +27,7 @@ def _vm_hwm_gb() -> float:
 def test_meter_counts_prefill_and_decode_tokens_of_a_real_model(make_cfg):
     cfg = to_config(make_cfg("model=tiny_random"))
     model = models.load(cfg.model, cfg.paths.cache_dir).model
-    meter = resources.StageMeter()
+    meter = stage_meter.StageMeter()
     meter.watch(model)
     ids = torch.randint(0, 100, (2, 5))
     meter.begin("a")

@@ -21,11 +21,12 @@ from typing import Callable
 import pandas as pd
 import pytest
 
-from harness import evaluate, models
-from harness import run as run_mod
+from harness.evaluation import evaluate
+from harness.models import loading as models
+from harness.job import pipeline as run_mod
 from harness.config import compose
-from harness import identity
-from harness.slices import resolve
+from harness.job import identity
+from harness.evaluation.slices import resolve
 from tests.test_sweeps import TINY, harness_command, job_env, mlflow_runs, paths, run_harness, sqlite_uri
 
 

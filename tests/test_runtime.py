@@ -1,10 +1,10 @@
-"""The torch thread count a job chooses from the CPUs it was given (harness.runtime)."""
+"""The torch thread count a job chooses from the CPUs it was given (harness.infra.runtime)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from harness import runtime
+from harness.infra import runtime
 from harness.cli import UsageError
 from harness.config import RuntimeConfig
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from harness import divergence
+from harness.divergence import scoring as divergence
 from harness.config import QuantConfig, SmoothQuantConfig, TensorQuantConfig
 from harness.quant import smoothquant  # noqa: F401  (registers "smoothquant")
-from harness.sensitivity import layer_sensitivity, sensitivity_units
+from harness.planning.sensitivity import layer_sensitivity, sensitivity_units
 
 VOCAB = 256
 INT4_CHANNEL = TensorQuantConfig(format="int", bits=4, granularity="channel")
@@ -131,7 +131,7 @@ def test_activation_and_smoothing_schemes_are_undone_bitwise(scheme):
 
 @pytest.mark.slow
 def test_cli_writes_csv_png_and_logs_an_mlflow_run(tmp_path, cache_dir):
-    from harness.sensitivity import KIND_TAG, main
+    from harness.planning.sensitivity import KIND_TAG, main
 
     out = tmp_path / "sens"
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -151,7 +151,7 @@ def test_cli_writes_csv_png_and_logs_an_mlflow_run(tmp_path, cache_dir):
 
 
 def test_cli_refuses_a_bad_granularity_before_loading_anything(capsys, monkeypatch):
-    from harness import sensitivity
+    from harness.planning import sensitivity
 
     monkeypatch.setattr(sensitivity, "run_sensitivity", lambda *a, **k: pytest.fail("work started"))
     assert sensitivity.main(["model=tiny_random", "granularity=layer"]) == 2

@@ -1,4 +1,4 @@
-"""eval.sequential inside a job (harness.sequential): rounds of whole clusters, the stop, the record, the gate.
+"""eval.sequential inside a job (harness.evaluation.sequential): rounds of whole clusters, the stop, the record, the gate.
 
 The loop is tested with lm-eval replaced by a table of known answers (so the stop can be worked
 out independently from the cluster sums, with :func:`harness.stats.sequential.cs_bounds` on the
@@ -14,9 +14,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from harness import evaluate, gate, identity, sequential
+from harness.evaluation import evaluate
+from harness.decision import gate
+from harness.job import identity
+from harness.evaluation import sequential
 from harness.config import GateConfig
-from harness.slices import resolve
+from harness.evaluation.slices import resolve
 from harness.stats import sequential as seqstats
 
 
@@ -32,7 +35,7 @@ def _reference(n_clusters: int, size: int, ref_correct: float = 1.0) -> pd.DataF
 
 
 class FakeLmEval:
-    """Stands in for :func:`harness.evaluate.evaluate_slice`: answers the documents asked for from ``answers``."""
+    """Stands in for :func:`harness.evaluation.evaluate.evaluate_slice`: answers the documents asked for from ``answers``."""
 
     def __init__(self, reference: pd.DataFrame, quant_correct: dict[str, float], prompt_suffix: str = ""):
         self.reference, self.quant_correct, self.suffix = reference, quant_correct, prompt_suffix
@@ -193,7 +196,7 @@ def test_run_key_is_unchanged_by_the_option_off_and_covers_the_stop_rule_on(make
         config["eval"].pop(key)
     for transient in identity.TRANSIENT_SECTIONS:
         config.pop(transient, None)
-    from harness.cache import stable_hash
+    from harness.infra.cache import stable_hash
     assert identity.run_key(base) == stable_hash({"config": config, "model": None}, 16)  # as before the option
     on = identity.to_config(make_cfg("model=tiny_random", "eval.sequential=true"))
     stricter = identity.to_config(make_cfg("model=tiny_random", "eval.sequential=true", "gate.alpha=0.01"))
@@ -208,7 +211,7 @@ TINY_SEQ = ["model=tiny_random", "slices=[math]", "slices.math.n_items=24", "sli
 
 @pytest.mark.slow
 def test_a_sequential_job_writes_what_it_used_and_the_gate_reads_its_sequence(make_cfg, tmp_path) -> None:
-    from harness.run import run
+    from harness.job.pipeline import run
     result = run(make_cfg(*TINY_SEQ))
     record = result["sequential"]["math"]
     directory = next((tmp_path / "results").iterdir())
@@ -234,9 +237,9 @@ def test_a_resumed_sequential_slice_replays_its_rounds_and_reaches_the_same_stop
     import contextlib
     import sqlite3
 
-    from harness import models
-    from harness.reference_stage import compute_reference
-    from harness.cache import Cache
+    from harness.models import loading as models
+    from harness.job.reference import compute_reference
+    from harness.infra.cache import Cache
     cfg = identity.to_config(make_cfg(*TINY_SEQ, "quant=none", "eval.batch_size=1", "gate.margin=0.4"))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)
     slice_ = resolve(cfg.slices)[0]

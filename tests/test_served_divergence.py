@@ -17,9 +17,12 @@ import torch
 from scipy.special import log_softmax, rel_entr
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from harness import evaluate, identity, models, summary
-from harness.divergence import PLAIN, PROMPT, REPLY, ServedText, compare_to_reference, encode_prompt, score_reference
-from harness.slices import resolve
+from harness.evaluation import evaluate
+from harness.job import identity
+from harness.models import loading as models
+from harness.results import summary
+from harness.divergence.scoring import PLAIN, PROMPT, REPLY, ServedText, compare_to_reference, encode_prompt, score_reference
+from harness.evaluation.slices import resolve
 
 VOCAB = 96
 
@@ -156,7 +159,7 @@ def test_prompt_ids_are_lm_evals_own_encoding(tiny):
 
 @pytest.mark.slow
 def test_chat_model_run_scores_the_prompt_lm_eval_sent_and_reports_both_kls(make_cfg, tmp_path, tiny):
-    from harness import run as run_mod
+    from harness.job import pipeline as run_mod
 
     cfg = make_cfg("model=tiny_random", "model.chat_template=true", "slices=[math]", "slices.math.n_items=6",
                    "slices.math.divergence_texts=3", "quant=int4_g128", "tracking.enabled=false")

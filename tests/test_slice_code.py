@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from harness.config import SLICES_DIR
-from harness.slices import import_slice_module
+from harness.evaluation.slices import import_slice_module
 
 CODE_DIR = SLICES_DIR / "code"
 generate = import_slice_module(CODE_DIR, "generate")
@@ -148,10 +148,10 @@ def one_torch_thread():
 @pytest.mark.parametrize("chat_template", [False, True])
 def test_end_to_end_on_tiny_random_model(tmp_path: Path, one_torch_thread: None, chat_template: bool):
     from harness.config import compose
-    from harness.evaluate import EvalSettings, evaluate_slice, make_lm
-    from harness import models
-    from harness.run import to_config
-    from harness.slices import resolve
+    from harness.evaluation.evaluate import EvalSettings, evaluate_slice, make_lm
+    from harness.models import loading as models
+    from harness.job.pipeline import to_config
+    from harness.evaluation.slices import resolve
 
     cfg = to_config(compose(["model=tiny_random", "slices=[code]", "slices.code.n_items=2",
                              f"paths.results_dir={tmp_path}/results"]))

@@ -9,7 +9,7 @@ import zlib
 import pytest
 
 from harness.config import SLICES_DIR, compose, load_model_config
-from harness.slices import import_slice_module, resolve
+from harness.evaluation.slices import import_slice_module, resolve
 
 generate = import_slice_module(SLICES_DIR / "long_context", "generate")
 utils = import_slice_module(SLICES_DIR / "long_context", "utils")
@@ -20,8 +20,8 @@ CACHE_DIR = os.path.expanduser(os.environ.get("HARNESS_CACHE_DIR", "~/.cache/qua
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
-    from harness.cache import Cache
-    from harness.models import load_tokenizer
+    from harness.infra.cache import Cache
+    from harness.models.loading import load_tokenizer
 
     return load_tokenizer(load_model_config("smollm2_135m"), Cache(CACHE_DIR))
 
@@ -198,8 +198,9 @@ def test_scorer(response: str, answers: list[str], distractors: list[str], expec
 @pytest.mark.slow
 def test_lm_eval_run_on_tiny_model() -> None:
     """The slice's tasks load in lm-eval and yield one record per item with its sub-slice and cluster."""
-    from harness import evaluate, models
-    from harness.identity import eval_settings, to_config, tokenizer_dir as model_tokenizer_dir
+    from harness.evaluation import evaluate
+    from harness.models import loading as models
+    from harness.job.identity import eval_settings, to_config, tokenizer_dir as model_tokenizer_dir
 
     cfg = to_config(compose(["model=tiny_random", "model.max_length=1024", "slices=[long_context]",
                              "slices.long_context.size=full", "slices.long_context.n_items=3", "eval.batch_size=4"]))
@@ -225,8 +226,9 @@ def test_some_sub_slice_discriminates_on_smollm2() -> None:
     (18 of 48 items, 7.3k of 34.8k prompt tokens; the whole slice took 165 s on one thread). Each
     sub-slice evaluated is evaluated whole, so its accuracy is the one a job reports. Measured on
     the whole slice, idle, 2026-12-02: 512 at 10/50/90% depth 50/67/83%, 1k 80/60/90%."""
-    from harness import evaluate, models
-    from harness.run import eval_settings, to_config, tokenizer_dir as model_tokenizer_dir
+    from harness.evaluation import evaluate
+    from harness.models import loading as models
+    from harness.job.pipeline import eval_settings, to_config, tokenizer_dir as model_tokenizer_dir
 
     cfg = to_config(compose(["model=smollm2_135m", "slices=[long_context]", "eval.batch_size=1"]))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from harness import longgen
+from harness.results import longgen
 from harness.config import SLICES_DIR
-from harness.slices import import_slice_module
+from harness.evaluation.slices import import_slice_module
 
 DIR = SLICES_DIR / "long_generation"
 generate = import_slice_module(DIR, "generate")

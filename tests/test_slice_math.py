@@ -6,7 +6,7 @@ import re
 import pytest
 
 from harness.config import SLICES_DIR
-from harness.slices import import_slice_module
+from harness.evaluation.slices import import_slice_module
 
 generate = import_slice_module(SLICES_DIR / "math", "generate")
 utils = import_slice_module(SLICES_DIR / "math", "utils")

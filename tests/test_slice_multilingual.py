@@ -9,7 +9,7 @@ import calendar
 import pytest
 
 from harness.config import SLICES_DIR, compose
-from harness.slices import import_slice_module, resolve
+from harness.evaluation.slices import import_slice_module, resolve
 
 generate = import_slice_module(SLICES_DIR / "multilingual", "generate")
 utils = import_slice_module(SLICES_DIR / "multilingual", "utils")
@@ -156,8 +156,9 @@ def test_scorer_normalisation(response: str, gold: str, expected: bool) -> None:
 def test_lm_eval_run_on_tiny_model() -> None:
     """Both tasks load in lm-eval and yield one record per item with language sub-slices
     (three languages of three scripts, selected through the slice's metadata, to stay fast)."""
-    from harness import evaluate, models
-    from harness.identity import eval_settings, to_config, tokenizer_dir
+    from harness.evaluation import evaluate
+    from harness.models import loading as models
+    from harness.job.identity import eval_settings, to_config, tokenizer_dir
 
     languages = {"en": "Latn", "ar": "Arab", "zh": "Hans"}
     cfg = to_config(compose(["model=tiny_random", "slices=[multilingual]", "slices.multilingual.n_items=1",
@@ -190,8 +191,9 @@ def test_some_language_discriminates_on_gemma() -> None:
     English and two non-Latin scripts, each evaluated whole (36 of 132 items; the whole slice
     took ~80 s of a full suite run). Each is evaluated within the whole slice's documents (lm-eval
     ``samples``), so its items and prompts are the ones a job scores."""
-    from harness import evaluate, models
-    from harness.run import eval_settings, to_config, tokenizer_dir
+    from harness.evaluation import evaluate
+    from harness.models import loading as models
+    from harness.job.pipeline import eval_settings, to_config, tokenizer_dir
 
     cfg = to_config(compose(["model=gemma3_270m", "slices=[multilingual]"]))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from harness.config import SLICES_DIR
-from harness.slices import import_slice_module
+from harness.evaluation.slices import import_slice_module
 
 REFUSALS_DIR = SLICES_DIR / "refusals"
 generate = import_slice_module(REFUSALS_DIR, "generate")

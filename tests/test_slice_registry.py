@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from harness import run as run_mod
+from harness.job import pipeline as run_mod
 from harness.config import CONF_DIR, SliceConfig
-from harness.evaluate import records_from_results
-from harness.slices import Slice, SliceError, check_hub_for_registry, resolve
+from harness.evaluation.evaluate import records_from_results
+from harness.evaluation.slices import Slice, SliceError, check_hub_for_registry, resolve
 
 # Registry benchmarks behind the five default slices; long_generation_full is the offline slice at full size.
 OFFLINE_FULL = {"long_generation_full"}

@@ -8,7 +8,7 @@ import pytest
 from jsonschema import Draft202012Validator
 
 from harness.config import SLICES_DIR
-from harness.slices import import_slice_module
+from harness.evaluation.slices import import_slice_module
 
 STRUCTURED_DIR = SLICES_DIR / "structured"
 generate = import_slice_module(STRUCTURED_DIR, "generate")
@@ -165,11 +165,11 @@ def one_torch_thread():
 
 @pytest.mark.slow
 def test_end_to_end_on_tiny_random_model(tmp_path: Path, one_torch_thread: None):
-    from harness import models
+    from harness.models import loading as models
     from harness.config import compose
-    from harness.evaluate import EvalSettings, evaluate_slice, make_lm
-    from harness.run import to_config
-    from harness.slices import resolve
+    from harness.evaluation.evaluate import EvalSettings, evaluate_slice, make_lm
+    from harness.job.pipeline import to_config
+    from harness.evaluation.slices import resolve
 
     cfg = to_config(compose(["model=tiny_random", "slices=[structured]", "slices.structured.n_items=3",
                              f"paths.results_dir={tmp_path}/results"]))

@@ -18,7 +18,7 @@ from typing import Iterator
 
 import pytest
 
-from harness.tracking import SWEEP_TAG
+from harness.results.tracking import SWEEP_TAG
 from tests.test_sweeps import REPO, TINY, create_store, job_env, mlflow_runs, paths, run_harness, sqlite_uri, summaries
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from harness import run as run_mod
+from harness.job import pipeline as run_mod
 from harness.config import CONF_DIR, compose
 
 # `external` evaluates a checkpoint given by candidate.path: tests/test_candidate_pipeline.py runs it.

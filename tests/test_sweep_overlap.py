@@ -4,7 +4,7 @@ unquantized model loaded again, if that job dies).
 
 Real ``python -m harness`` processes on one cache. The first job runs the harness with its
 reference's divergence scoring held until the second job's log shows the stage named in
-``OVERLAP_PATTERN`` (a wrapper that patches ``harness.divergence.score_reference``, then runs
+``OVERLAP_PATTERN`` (a wrapper that patches ``harness.divergence.scoring.score_reference``, then runs
 ``python -m harness``): the reference provably finishes after the second job started
 evaluating, whatever the machine's speed. Both must end with the numbers of a serial run.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import run as run_mod
+from harness.job import pipeline as run_mod
 from harness.config import compose
 from tests.test_sweeps import TINY as SWEEP_TINY
 from tests.test_sweeps import harness_command, job_env, paths, summaries

@@ -9,9 +9,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import open_dict
 
-from harness import run as run_mod, sweep
+from harness.job import pipeline as run_mod
+from harness.job import sweep
 from harness.config import CONF_DIR, register_configs
-from harness.identity import to_config
+from harness.job.identity import to_config
 
 
 @pytest.fixture

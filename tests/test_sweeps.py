@@ -17,9 +17,9 @@ import mlflow
 import pandas as pd
 import pytest
 
-from harness import run as run_mod
-from harness import sweep
-from harness.tracking import RUN_KEY_TAG, SWEEP_TAG
+from harness.job import pipeline as run_mod
+from harness.job import sweep
+from harness.results.tracking import RUN_KEY_TAG, SWEEP_TAG
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["model=tiny_random", "slices=[math]", "slices.math.n_items=9", "slices.math.divergence_texts=2",
@@ -216,11 +216,11 @@ def test_submitit_local_launcher_runs_each_job_in_its_own_process(tmp_path, cach
 
 @pytest.mark.slow
 def test_plan_counts_each_jobs_tokens_without_evaluating(tmp_path, cache_dir):
-    from harness import plan as plan_mod
-    from harness.cache import Cache
+    from harness.planning import plan as plan_mod
+    from harness.infra.cache import Cache
     from harness.config import load_model_config
-    from harness.models import load_tokenizer
-    from harness.slices import SLICES_DIR, import_slice_module
+    from harness.models.loading import load_tokenizer
+    from harness.evaluation.slices import SLICES_DIR, import_slice_module
 
     plan = plan_mod.plan_sweep([*TINY, *paths(tmp_path, cache_dir), "quant=int8,int4"],
                                tokens_per_s=1000.0, decode_tokens_per_s=100.0)
@@ -247,7 +247,7 @@ def test_plan_counts_each_jobs_tokens_without_evaluating(tmp_path, cache_dir):
 
 @pytest.mark.slow
 def test_plan_measures_throughput_and_skips_finished_work(make_cfg, tmp_path, cache_dir, capsys):
-    from harness import plan as plan_mod
+    from harness.planning import plan as plan_mod
 
     run_mod.run(make_cfg(*TINY, "quant=int8", "tracking.enabled=false"))
     overrides = [*TINY, *paths(tmp_path, cache_dir), "quant=int8,int4", "hydra/launcher=local"]
@@ -263,7 +263,7 @@ def test_plan_measures_throughput_and_skips_finished_work(make_cfg, tmp_path, ca
 
 
 def test_plan_command_line_typos_fail_before_any_work(capsys, monkeypatch):
-    from harness import plan as plan_mod
+    from harness.planning import plan as plan_mod
 
     monkeypatch.setattr(plan_mod, "plan_sweep", lambda *a, **k: pytest.fail("work started"))
     assert plan_mod.main(["-m", "quant=int8", "--tokens-per-s", "500"]) == 2

@@ -1,4 +1,4 @@
-"""Tests for harness.token_stats against hand computations and independent formulas."""
+"""Tests for harness.divergence.token_stats against hand computations and independent formulas."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from harness.token_stats import PERCENTILES, position_buckets, summarize_by, summarize_divergence
+from harness.divergence.token_stats import PERCENTILES, position_buckets, summarize_by, summarize_divergence
 
 
 def _tokens(n: int, seed: int = 0) -> dict[str, np.ndarray]:

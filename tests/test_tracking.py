@@ -15,7 +15,7 @@ import mlflow
 import pandas as pd
 import pytest
 
-from harness import tracking
+from harness.results import tracking
 
 FINISHED_AT = "2026-11-29T14:13:57+0000"
 FINISHED_EPOCH = calendar.timegm((2026, 11, 29, 14, 13, 57, 0, 0, 0))
@@ -191,7 +191,7 @@ def test_experiment_link_opens_the_classic_runs_table_and_filters_a_sweep():
 
 
 def test_a_sweeps_runs_share_its_tag_and_the_logged_link_finds_exactly_them(tmp_path, uri, experiment, caplog):
-    caplog.set_level("INFO", logger="harness.tracking")
+    caplog.set_level("INFO", logger="harness.results.tracking")
     for scheme, sweep in (("int8", "A"), ("int4", "A"), ("int4_g128", "B")):
         tracking.log_results(write_result_dir(tmp_path / "results", scheme), uri=uri, experiment=experiment,
                              tags={tracking.SWEEP_TAG: sweep})

@@ -21,7 +21,7 @@ import mlflow
 import pandas as pd
 import pytest
 
-from harness.tracking import SWEEP_TAG
+from harness.results.tracking import SWEEP_TAG
 from tests.test_sweeps import TINY, harness_command, job_env, paths, run_harness, summaries
 
 pytestmark = pytest.mark.slow

@@ -1,7 +1,7 @@
 """The runs table a reviewer opens, checked in a real MLflow UI in headless Chromium.
 
 An ``mlflow server`` (SQLite store, temp dir) gets three logged results, two of sweep A and
-one of sweep B. The harness's link (:func:`harness.tracking.experiment_url`) must open the
+one of sweep B. The harness's link (:func:`harness.results.tracking.experiment_url`) must open the
 classic runs table (not the GenAI overview); each run's Dataset cell must name its slices
 with the digests of their items; Duration must be the job's, not the logging's. With the
 headline columns chosen (scheme, model, slices, overall Δacc, flips, KL: saved in the page's
@@ -26,7 +26,7 @@ import mlflow
 import pytest
 from PIL import Image
 
-from harness import tracking
+from harness.results import tracking
 from harness.config import REPO_DIR
 from tests.test_html_report import DevTools, artifact_dir, browser  # noqa: F401  (browser: a fixture)
 from tests.test_tracking import reference_digest, write_result_dir

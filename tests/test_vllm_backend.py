@@ -9,7 +9,10 @@ import types
 
 import pytest
 
-from harness import cli, evaluate, models, run as run_mod
+from harness import cli
+from harness.evaluation import evaluate
+from harness.models import loading as models
+from harness.job import pipeline as run_mod
 from tests.conftest import TINY_MATH
 
 

@@ -14,7 +14,7 @@ PNG plots, the tables as parquet, all logged as artifacts of an MLflow run tagge
 The package imports one way (each module only imports those below it)::
 
     __main__ (CLI)  →  pipeline  →  output  →  render.{markdown, html_page, terminal, plots}
-                                                      →  render.tables  →  harness.formatting
+                                                      →  render.tables  →  harness.results.formatting
                        pipeline  →  sources, analysis  →  options, harness.stats / summary
 
 This file imports nothing at import time: the names below load their module on first use,

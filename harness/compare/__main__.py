@@ -18,6 +18,7 @@ from harness import cli
 from harness.compare.options import CompareOptions
 from harness.compare.pipeline import execute
 from harness.compare.render.terminal import terminal_table
+from harness.errors import UsageError
 
 __all__ = ["ALIASES", "TOOL", "main", "normalise", "parse_options"]
 
@@ -79,12 +80,12 @@ def _checked(options: CompareOptions) -> CompareOptions:
     try:
         options.check()
     except ValueError as exc:
-        raise cli.UsageError(str(exc)) from None
+        raise UsageError(str(exc)) from None
     return options
 
 
 def parse_options(argv: Sequence[str]) -> CompareOptions:
-    """The command line as :class:`CompareOptions`; a bad argument raises :class:`harness.cli.UsageError`."""
+    """The command line as :class:`CompareOptions`; a bad argument raises :class:`harness.UsageError`."""
     return _checked(cli.parse(TOOL, normalise(argv)).options)
 
 

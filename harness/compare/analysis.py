@@ -10,16 +10,16 @@ divergence is read from each run.
 from __future__ import annotations
 
 import dataclasses
-
 from dataclasses import dataclass
 from typing import Sequence
 
 import pandas as pd
 
-from harness import stats, summary
+from harness import stats
 from harness.compare.options import CompareOptions
 from harness.compare.sources import RunData
 from harness.config import CompareConfig
+from harness.results import summary
 
 __all__ = ["ComparisonReport", "analyse"]
 

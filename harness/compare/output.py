@@ -10,7 +10,7 @@ from pathlib import Path
 from harness.compare.analysis import ComparisonReport
 from harness.compare.render import html_page, markdown, plots
 from harness.compare.sources import COMPARISON_KIND, KIND_TAG
-from harness.tracking import SWEEP_TAG
+from harness.results.tracking import SWEEP_TAG
 
 __all__ = ["default_out_dir", "log_comparison", "write_report"]
 

@@ -12,7 +12,7 @@ from harness.compare.analysis import ComparisonReport, analyse
 from harness.compare.options import CompareOptions
 from harness.compare.output import default_out_dir, log_comparison, write_report
 from harness.compare.sources import load_mlflow_run, load_results_dir, select_runs
-from harness.tracking import resolve_uri
+from harness.results.tracking import resolve_uri
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Where compared runs come from: MLflow (selected by experiment, sweep id, tags or id) or
-results directories written by ``harness.run``. Each becomes a :class:`RunData` holding the
+results directories written by ``harness.job.pipeline``. Each becomes a :class:`RunData` holding the
 run's summary and its per-item, per-token and generation tables.
 
 Only the tables a comparison reads are downloaded from MLflow (summary, config, items,
@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 
 import pandas as pd
 
-from harness.tracking import RUN_KEY_TAG, SWEEP_TAG
+from harness.results.tracking import RUN_KEY_TAG, SWEEP_TAG
 
 __all__ = ["COMPARISON_KIND", "KIND_TAG", "RunData", "load_mlflow_run", "load_results_dir", "select_runs"]
 
@@ -60,11 +60,11 @@ def _read_table(path: Path) -> pd.DataFrame:
 
 
 def load_results_dir(directory: str | Path) -> RunData:
-    """A run from its results directory (``results/<run>/``) as written by ``harness.run``."""
+    """A run from its results directory (``results/<run>/``) as written by ``harness.job.pipeline``."""
     directory = Path(directory)
     missing = [name for name in REQUIRED_ARTIFACTS if not (directory / name).exists()]
     if missing:
-        raise FileNotFoundError(f"{directory} lacks {missing}: not a finished results directory of harness.run "
+        raise FileNotFoundError(f"{directory} lacks {missing}: not a finished results directory of harness.job.pipeline "
                                 "(summary.json is written last; rerun the job or pick another directory)")
     config_path = directory / "config.json"
     return RunData(
@@ -85,7 +85,7 @@ def load_mlflow_run(client: Any, run_id: str) -> RunData:
     missing = [name for name in REQUIRED_ARTIFACTS if name not in available]
     if missing:
         raise FileNotFoundError(f"MLflow run {run_id} has no {missing} artifacts (has {sorted(available)}); "
-                                "it was not logged by harness.run — drop it from runs= or fix its tags")
+                                "it was not logged by harness.job.pipeline — drop it from runs= or fix its tags")
     with tempfile.TemporaryDirectory(prefix="harness-compare-") as tmp:
         for name in (*REQUIRED_ARTIFACTS, *OPTIONAL_ARTIFACTS):
             if name in available:

@@ -16,13 +16,35 @@ from torch import nn
 
 from harness.config import QuantConfig
 from harness.quant import awq, gptq, rtn, smoothquant  # noqa: F401  (register their methods)
-from harness.quant.base import (MethodSpec, QuantReport, available_methods, calibration_passes, check_context,
-                                get_method, linear_census, method_settings, register_method, target_linears,
-                                validate_for_model, validate_scheme, with_model_defaults)
+from harness.quant.base import (
+    MethodSpec,
+    QuantReport,
+    available_methods,
+    calibration_passes,
+    check_context,
+    get_method,
+    linear_census,
+    method_settings,
+    register_method,
+    target_linears,
+    validate_for_model,
+    validate_scheme,
+    with_model_defaults,
+)
 from harness.quant.calibrated_cache import run_cached
 from harness.quant.kv import install_kv_quant
-from harness.quant.linear import calibrate_static_scales, install_activation_quant, keep_float32_weights
-from harness.quant.tensor import NumberFormat, SchemeError, fake_quantize, get_format, register_format
+from harness.quant.linear import (
+    calibrate_static_scales,
+    install_activation_quant,
+    keep_float32_weights,
+)
+from harness.quant.tensor import (
+    NumberFormat,
+    SchemeError,
+    fake_quantize,
+    get_format,
+    register_format,
+)
 
 __all__ = ["apply", "changes_weights", "MethodSpec", "NumberFormat", "QuantReport", "SchemeError", "available_methods",
            "calibration_passes", "fake_quantize", "get_format", "get_method", "is_reference", "method_settings",

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-from harness.devices import compute_device, set_thread_device
+from harness.infra.devices import compute_device, set_thread_device
 
 log = logging.getLogger(__name__)
 

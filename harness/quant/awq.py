@@ -38,9 +38,18 @@ import torch
 from torch import Tensor, nn
 
 from harness.config import AWQConfig, QuantConfig, TensorQuantConfig
-from harness.quant.adapters import (Adapter, BlockProgress, LinearGroup, block_on_device, capture_block_inputs,
-                                    get_adapter, make_batches, round_outside_blocks, run_block,
-                                    small_ops_threads)
+from harness.quant.adapters import (
+    Adapter,
+    BlockProgress,
+    LinearGroup,
+    block_on_device,
+    capture_block_inputs,
+    get_adapter,
+    make_batches,
+    round_outside_blocks,
+    run_block,
+    small_ops_threads,
+)
 from harness.quant.base import QuantReport, bits_for, register_method, target_linears
 from harness.quant.tensor import SchemeError, fake_quantize
 

@@ -24,7 +24,12 @@ from torch import Tensor, nn
 from harness.config import QuantConfig
 from harness.quant.calibration import validate_calibration
 from harness.quant.kv import validate_kv_cache
-from harness.quant.tensor import SchemeError, input_multiple, storage_bits, validate_spec
+from harness.quant.tensor import (
+    SchemeError,
+    input_multiple,
+    storage_bits,
+    validate_spec,
+)
 
 
 @dataclass

@@ -9,7 +9,7 @@ KV-cache settings, so ``gptq_w4g128_kv8`` reuses ``gptq_w4g128``'s entry), the c
 source when it is not the default (name and text digest) and the content hash of the
 calibration tokens. The first job computes under the entry's file lock;
 concurrent jobs wait on it and then load. Every entry is checked against its manifest (size and
-SHA-256 per file, :meth:`harness.cache.Cache.usable`) before a single weight is copied into the
+SHA-256 per file, :meth:`harness.infra.cache.Cache.usable`) before a single weight is copied into the
 model, so a damaged entry can never leave the model half-loaded.
 """
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from harness.cache import stable_hash
 from harness.config import QuantConfig
+from harness.infra.cache import stable_hash
 from harness.quant.base import LayerReport, QuantReport, get_method, method_settings
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ _TENSORS = "weights.safetensors"
 _REPORT = "report.json"
 
 
-def _plain(value: Any) -> Any:
+def _as_json_data(value: Any) -> Any:
     """A dataclass or OmegaConf node as plain JSON-able data."""
     if value is None:
         return None
@@ -56,10 +56,10 @@ def scheme_identity(scheme: QuantConfig, chat: bool = False) -> dict[str, Any]:
     """
     from harness.quant.calibration import source_identity
     spec = get_method(scheme.method)
-    weights = _plain(scheme.weights)
+    weights = _as_json_data(scheme.weights)
     if isinstance(weights, dict) and weights.get("int_range") == "restricted":
         del weights["int_range"]  # the default grid: keys made before the option existed stay valid
-    settings = _plain(method_settings(scheme)) if spec.cacheable else None
+    settings = _as_json_data(method_settings(scheme)) if spec.cacheable else None
     if isinstance(settings, dict) and settings.get("coarse_to_fine") is False:
         del settings["coarse_to_fine"]  # AWQ's full grid: keys made before the option existed stay valid
     identity = {

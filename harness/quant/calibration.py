@@ -2,7 +2,7 @@
 
 ``quant.calibration.source`` chooses the text: an offline source of a given domain (``prose``,
 the default, also called ``offline``; ``code``; ``multilingual``; ``math`` — built from what the
-installed packages ship, see :mod:`harness.calibration_sources`) or ``dataset``, a ``datasets``
+installed packages ship, see :mod:`harness.quant.calibration_sources`) or ``dataset``, a ``datasets``
 dataset (name, config, split, text field) for cluster runs. Evaluation items are never used.
 Seeded windows of ``seq_len`` tokens are drawn from the text; the token ids are hashed, and the
 hash is logged and is part of every calibrated cache key (with the source and a digest of its
@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from harness import calibration_sources
-from harness.cache import Cache, stable_hash
 from harness.config import CalibrationConfig, QuantConfig
+from harness.infra.cache import Cache, stable_hash
+from harness.quant import calibration_sources
 from harness.quant.tensor import SchemeError
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ def chat_window(tokenizer: Any, ids: Tensor, start: int, length: int) -> Tensor:
     (``divergence.encode_prompt``); exchanges are added until the conversation reaches ``length``
     tokens, then it is cut there. Windows running past the end of the source wrap to its start.
     """
-    from harness.divergence import encode_prompt
+    from harness.divergence.scoring import encode_prompt
 
     if not getattr(tokenizer, "chat_template", None):
         raise SchemeError("quant.calibration.format=chat: the model's tokenizer has no chat template; use "

@@ -30,11 +30,18 @@ from torch import Tensor, nn
 
 from harness.config import GPTQConfig, QuantConfig, TensorQuantConfig
 from harness.quant import formats
-from harness.quant.adapters import (BlockProgress, block_on_device, capture_block_inputs, get_adapter, make_batches,
-                                    round_outside_blocks, small_ops_threads, staged_forward)
+from harness.quant.adapters import (
+    BlockProgress,
+    block_on_device,
+    capture_block_inputs,
+    get_adapter,
+    make_batches,
+    round_outside_blocks,
+    small_ops_threads,
+    staged_forward,
+)
 from harness.quant.base import QuantReport, bits_for, register_method, target_linears
-from harness.quant.tensor import full_range
-from harness.quant.tensor import SchemeError
+from harness.quant.tensor import SchemeError, full_range
 
 log = logging.getLogger(__name__)
 

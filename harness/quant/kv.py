@@ -346,7 +346,11 @@ def _current_base(model: nn.Module) -> str:
 
 def _register_wrapper(base_name: str) -> str:
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, eager_mask
+    from transformers.masking_utils import (
+        ALL_MASK_ATTENTION_FUNCTIONS,
+        AttentionMaskInterface,
+        eager_mask,
+    )
 
     if base_name.startswith(_UNWRAPPABLE) or (base_name != "eager" and base_name not in
                                               AttentionInterface._global_mapping):

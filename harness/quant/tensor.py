@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from harness.config import TensorQuantConfig
+from harness.errors import UserError
 from harness.quant import formats
 
 __all__ = ["FORMATS", "NumberFormat", "SchemeError", "block_format", "fake_quantize", "fp8_format", "get_format",
@@ -38,7 +39,7 @@ QParamsFn = Callable[[Tensor, TensorQuantConfig, "tuple[int, ...]", bool], "tupl
 StorageFn = Callable[[TensorQuantConfig, int, int], float]
 
 
-class SchemeError(ValueError):
+class SchemeError(UserError, ValueError):
     """A quantization scheme that makes no sense; the message says why and what to use."""
 
 

@@ -24,7 +24,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from harness.slices import import_slice_module
+from harness.evaluation.slices import import_slice_module
 
 # HumanEval costs ~10 s per problem per model pass on a 2-core CPU (256 generated tokens: the model restates
 # the docstring first) and a 135M model solves few; all 164: metadata.humaneval_items=164 (or slices=code_full).

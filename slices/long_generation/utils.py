@@ -10,7 +10,7 @@ A reply **passes** (``acc = 1``) when it is long and not degenerate:
 * no ``early_stop``: at least ``MIN_WORDS`` words (the prompts ask for long output; a reply
   that ends after a sentence has lost the task).
 
-The paired statistics then count flips of this criterion; :mod:`harness.longgen` adds what
+The paired statistics then count flips of this criterion; :mod:`harness.results.longgen` adds what
 needs both replies (first differing token, survival curve, length ratio).
 """
 from __future__ import annotations

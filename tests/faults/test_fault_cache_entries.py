@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from harness.cache import Cache, check_manifest, file_sha256, read_manifest
+from harness.infra.cache import Cache, check_manifest, file_sha256, read_manifest
 
 
 def _write_entry(cache: Cache, namespace: str = "reference", key: str = "k") -> Path:

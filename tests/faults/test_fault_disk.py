@@ -18,11 +18,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from harness import cache as cache_mod
-from harness import resources
-from harness import run as run_mod
+from harness.infra import cache as cache_mod
+from harness.job import disk
+from harness.job import pipeline as run_mod
 from harness.config import compose
-from harness.resources import DiskSpaceError, Write, check_disk_space, disk_full_message, is_disk_full
+from harness.job.disk import DiskSpaceError, Write, check_disk_space, disk_full_message, is_disk_full
 from tests.test_sweeps import TINY, job_env
 
 
@@ -38,12 +38,12 @@ needs_tmpfs = pytest.mark.skipif(not _unshare_works(), reason="no unprivileged u
 
 
 def test_a_job_larger_than_the_free_space_is_refused_naming_both_numbers_and_the_path(tmp_path):
-    free = resources.free_bytes(tmp_path)
+    free = disk.free_bytes(tmp_path)
     with pytest.raises(DiskSpaceError) as caught:
         check_disk_space([Write(tmp_path / "results", free + 1, "results")])
     message = str(caught.value)
     assert "\n" not in message and str(tmp_path / "results") in message
-    assert resources.gib(free + 1) in message and "free" in message and "paths.results_dir" in message
+    assert disk.gib(free + 1) in message and "free" in message and "paths.results_dir" in message
     check_disk_space([Write(tmp_path / "results", 1024, "results")])  # fits: no error
 
 
@@ -140,7 +140,7 @@ def test_a_disk_that_fills_up_mid_job_ends_in_one_line_and_a_rerun_resumes(tmp_p
     """)
     codes = dict(line.split("=") for line in (tmp_path / "codes").read_text().split())
     first_err = (tmp_path / "first.err").read_text()
-    assert codes["first"] == str(resources.EXIT_DISK_FULL), first_err[-4000:]
+    assert codes["first"] == str(disk.EXIT_DISK_FULL), first_err[-4000:]
     errors = [line for line in first_err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith("error: disk full while writing ") and "Traceback" not in first_err
     assert "run the same command again" in errors[0]
@@ -162,14 +162,15 @@ def _bytes_under(path: Path) -> int:
 @pytest.mark.slow
 def test_the_estimate_is_at_least_what_a_job_writes(make_cfg, tmp_path, cache_dir):
     """An upper bound, checked against a real job: results directory and reference cache, measured after it."""
-    from harness import identity, models
-    from harness.cache import Cache
-    from harness.run import run
-    from harness.slices import resolve
+    from harness.job import identity
+    from harness.models import loading as models
+    from harness.infra.cache import Cache
+    from harness.job.pipeline import run
+    from harness.evaluation.slices import resolve
 
     cfg = identity.to_config(make_cfg(*TINY, "quant=gptq_w4g128", "tracking.enabled=false", "runtime.threads=1"))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)
-    estimate = {w.what: w.bytes for w in resources.job_writes(cfg, loaded, resolve(cfg.slices), Cache(cache_dir),
+    estimate = {w.what: w.bytes for w in disk.job_writes(cfg, loaded, resolve(cfg.slices), Cache(cache_dir),
                                                               tmp_path / "results")}
     run(cfg)
     written = {"results": _bytes_under(tmp_path / "results"),

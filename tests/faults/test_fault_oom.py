@@ -7,9 +7,11 @@ import pandas as pd
 import pytest
 import torch
 
-from harness import evaluate, identity, models
-from harness.generation import halve_on_oom
-from harness.slices import resolve
+from harness.evaluation import evaluate
+from harness.job import identity
+from harness.models import loading as models
+from harness.evaluation.generation import halve_on_oom
+from harness.evaluation.slices import resolve
 from tests.conftest import TINY_MATH
 
 

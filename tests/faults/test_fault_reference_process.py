@@ -16,8 +16,8 @@ import time
 import pandas as pd
 import pytest
 
-from harness import background_reference
-from harness.run import run
+from harness.job import background_reference
+from harness.job.pipeline import run
 
 TINY = ["model=tiny_random", "slices=[math]", "slices.math.n_items=9", "slices.math.divergence_texts=2",
         "slices.math.tasks=[harness_math_gen,harness_math_mc]", "quant=int4_g128", "tracking.enabled=false"]

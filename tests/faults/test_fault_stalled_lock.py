@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.locks import LockTimeout, OwnedLock
+from harness.infra.locks import LockTimeout, OwnedLock
 
 REPO = Path(__file__).resolve().parents[2]
 

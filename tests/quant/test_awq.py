@@ -293,7 +293,7 @@ def test_cache_key_keeps_full_grid_entries_and_separates_coarse_to_fine() -> Non
     coarse-to-fine gets its own key."""
     import dataclasses
 
-    from harness.cache import stable_hash
+    from harness.infra.cache import stable_hash
     from harness.quant.calibrated_cache import ALGORITHM_VERSION, calibrated_key
 
     full = _scheme(coarse_to_fine=False)

@@ -13,8 +13,8 @@ from dataclasses import replace
 
 import pytest
 
-from harness import calibration_sources
-from harness.cache import Cache, stable_hash
+from harness.quant import calibration_sources
+from harness.infra.cache import Cache, stable_hash
 from harness.config import CalibrationConfig, compose, load_model_config
 from harness.quant import SchemeError, validate_scheme
 from harness.quant.calibrated_cache import calibrated_key
@@ -32,7 +32,7 @@ MAIN_DEFAULT_WINDOWS = {"python": (3, 11), "num_samples": 4, "seq_len": 64, "has
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from harness.models import load_tokenizer
+    from harness.models.loading import load_tokenizer
     return load_tokenizer(load_model_config("smollm2_135m"), Cache(USER_CACHE))
 
 
@@ -131,7 +131,7 @@ def test_math_source_equations_are_true():
 
 @pytest.mark.slow
 def test_code_source_is_parseable_python_without_humaneval():
-    from harness.calibration_sources.code import MODULES, module_sources
+    from harness.quant.calibration_sources.code import MODULES, module_sources
     from slices.code.generate import humaneval_problems
 
     sources = module_sources()
@@ -172,7 +172,7 @@ SWEEP = ["quant=gptq_w4g128,awq_w4g128", "quant.calibration.source=prose,code", 
 @pytest.mark.slow
 def test_the_documented_calibration_domain_sweep_plans(tmp_path, cache_dir):
     """`python -m harness -m <SWEEP>` (the README's command) expands to four valid jobs."""
-    from harness import plan as plan_mod
+    from harness.planning import plan as plan_mod
 
     overrides = ["model=tiny_random", f"paths.results_dir={tmp_path / 'results'}", f"paths.cache_dir={cache_dir}",
                  "tracking.enabled=false", *SWEEP]

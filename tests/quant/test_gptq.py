@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import harness.quant.awq  # noqa: F401  (registers "awq" until harness.quant imports it)
 from harness import quant
-from harness.cache import Cache
+from harness.infra.cache import Cache
 from harness.config import GPTQConfig, QuantConfig, TensorQuantConfig, compose
 from harness.quant import gptq
 from harness.quant.base import QuantReport, validate_scheme

@@ -47,14 +47,14 @@ def test_the_preset_composes_and_bad_ranges_are_refused():
 @pytest.mark.slow
 def test_gptq_on_the_full_range_grid_uses_code_minus_eight():
     from harness import quant
-    from harness.report_quant import prepare
+    from harness.decision.quant_report import prepare
 
     cfg = OmegaConf.to_object(compose(["quant=gptq_w4g128", "model=tiny_random", "quant.weights.int_range=full",
                                        "quant.calibration.num_samples=4", "quant.calibration.seq_len=64"]))
     prepared = prepare(cfg)
     quant.apply(prepared.loaded.model, prepared.scheme, prepared.context)
     w = prepared.loaded.model.model.layers[0].mlp.down_proj.weight.detach().reshape(128, -1, 128)
-    from harness.export import recover_int_grid
+    from harness.checkpoint.export import recover_int_grid
 
     scale, _ = recover_int_grid(w.reshape(128, -1), 4, symmetric=True, granularity="group", group_size=128)
     codes = torch.round(w / scale.unsqueeze(-1))

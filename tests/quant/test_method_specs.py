@@ -63,7 +63,7 @@ def test_settings_and_plugins_are_checked_with_the_reason():
 
 @pytest.mark.slow
 def test_plan_counts_calibration_of_static_scales_under_rtn(tmp_path, cache_dir):
-    from harness import plan as plan_mod
+    from harness.planning import plan as plan_mod
 
     overrides = [*TINY_MATH, f"paths.results_dir={tmp_path / 'results'}", f"paths.cache_dir={cache_dir}",
                  "tracking.enabled=false", "quant=int4_g128,kv8,fp8_static,gptq_w4g128_kv8"]
@@ -130,8 +130,8 @@ def toy_method(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_a_method_from_one_module_and_one_yaml_runs_end_to_end(toy_method, make_cfg, tmp_path, cache_dir):
-    from harness import models
-    from harness import run as run_mod
+    from harness.models import loading as models
+    from harness.job import pipeline as run_mod
 
     with pytest.raises(SchemeError, match="fraction"):  # its settings are checked against its dataclass
         quant.validate_scheme(scheme_of(toy_method, "quant=toy_clip", "quant.settings.fraction=lots"))

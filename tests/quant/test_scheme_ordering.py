@@ -9,9 +9,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from harness import divergence, models, quant
+from harness import quant
+from harness.divergence import scoring as divergence
+from harness.models import loading as models
 from harness.config import compose, load_model_config
-from harness.sensitivity import reference_texts
+from harness.planning.sensitivity import reference_texts
 
 pytestmark = pytest.mark.slow
 SCHEMES = ["int8", "fp8_w8a16", "fp8", "int4_g128", "int4"]

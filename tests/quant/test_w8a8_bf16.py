@@ -163,8 +163,10 @@ def test_smollm2_bf16_fp8_kl_equals_the_real_fp8_gemm(make_cfg):
     KL equals that of the same model run through torch._scaled_mm, within 15 % (two implementations of
     the same arithmetic differ by one fp32 accumulation order, which flips a few FP8 codes downstream;
     measured 0.082 vs 0.079; the simulation before the fix gave 0.211)."""
-    from harness import divergence, identity, models
-    from harness.slices import resolve
+    from harness.divergence import scoring as divergence
+    from harness.job import identity
+    from harness.models import loading as models
+    from harness.evaluation.slices import resolve
     if os.environ.get("OMP_NUM_THREADS") is None:
         torch.set_num_threads(1)
     cfg = identity.to_config(make_cfg("model=smollm2_135m", "model.dtype=bfloat16", "slices=[math]", "quant=fp8"))

@@ -14,8 +14,15 @@ from typing import Callable
 import pandas as pd
 
 from harness.compare.analysis import ComparisonReport
-from harness.compare.render.tables import (caption, detail_table, matrix_table, method_note, position_table,
-                                           runs_table, sub_slice_table)
+from harness.compare.render.tables import (
+    caption,
+    detail_table,
+    matrix_table,
+    method_note,
+    position_table,
+    runs_table,
+    sub_slice_table,
+)
 
 __all__ = ["html"]
 

@@ -4,8 +4,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness.compare.analysis import ComparisonReport
-from harness.compare.render.tables import (caption, detail_table, matrix_table, method_note, position_table,
-                                           runs_table, sub_slice_table)
+from harness.compare.render.tables import (
+    caption,
+    detail_table,
+    matrix_table,
+    method_note,
+    position_table,
+    runs_table,
+    sub_slice_table,
+)
 
 __all__ = ["markdown"]
 

@@ -1,11 +1,11 @@
 """The comparison's tables as formatted text cells, shared by the terminal, Markdown and HTML
-renderings so that all three show the same numbers in the same way (:mod:`harness.formatting`)."""
+renderings so that all three show the same numbers in the same way (:mod:`harness.results.formatting`)."""
 from __future__ import annotations
 
 import pandas as pd
 
 from harness.compare.analysis import ComparisonReport
-from harness.formatting import count, delta_ci, flips, num, pm
+from harness.results.formatting import count, delta_ci, flips, num, pm
 
 __all__ = ["caption", "detail_table", "matrix_table", "method_note", "position_table", "runs_table",
            "sub_slice_table"]

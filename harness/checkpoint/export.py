@@ -1,0 +1,396 @@
+"""``python -m harness.export model=... quant=... out=DIR`` — ship what was evaluated.
+
+Writes the harness's quantized model as a **compressed-tensors** checkpoint (the format
+llm-compressor writes and vLLM serves), through the ``compressed-tensors`` library itself:
+the library's :class:`~compressed_tensors.compressors.ModelCompressor` packs the weights and
+writes ``quantization_config``; this module only says *what* grid each linear is on.
+
+Representable schemes (anything else is refused with this list, :data:`REPRESENTABLE`):
+
+* integer weights, 4 or 8 bits, per output channel or per group, symmetric or asymmetric
+  (``pack-quantized``): RTN, GPTQ, AWQ (its scales are already folded into the preceding norm
+  or linear, which are written as ordinary weights), SmoothQuant-smoothed weights;
+* FP8 E4M3 weights per tensor or per channel, with or without dynamic per-token FP8
+  activations (``float-quantized``: "FP8_DYNAMIC" / W8A16 FP8);
+* NVFP4 weights (``nvfp4-pack-quantized``, compressed-tensors' NVFP4A16 preset: E2M1 codes, an
+  E4M3 scale per 16, one FP32 ``weight_global_scale``), optionally with NVFP4 activations (the
+  NVFP4 preset: dynamic block scales, a static ``input_global_scale`` per linear);
+* any of these, or unquantized weights (``kv8``), with an FP8 E4M3 KV cache of static per-layer
+  scales: ``kv_cache_scheme`` in the config and ``<attention>.k_scale`` / ``.v_scale`` tensors
+  (shape [1], float32, amax/448: the harness's calibrated scales as they are), where vLLM's
+  ``kv_cache_dtype=fp8`` reads them. KIVI-style int KV caches, dynamic or per-head scales and
+  full-precision residual windows have no compressed-tensors form and are refused.
+
+The harness keeps dequantized weights, not codes, so the grid of each weight group is
+recovered from the values (``harness.checkpoint.export_grids``): every group's values are integer
+multiples of one scale (around one zero point), which is found exactly for RTN's
+``amax / qmax`` and, for GPTQ groups whose largest code is below ``qmax``, by trying the smaller
+code ranges. Recovery is exact in float32; in bf16/fp16 the harness's values are themselves
+rounded to the model dtype, so the exported weights match them to one rounding step of that
+dtype. The export then decompresses its own output and checks it.
+
+Sign conventions: the harness's symmetric INT grid uses codes ``-(2^(b-1)-1) .. 2^(b-1)-1``
+(never ``-2^(b-1)``), a subset of compressed-tensors' signed range, so it is exact; the
+asymmetric grid's unsigned codes ``0 .. 2^b-1`` with zero point ``z`` are stored as signed
+codes ``q - 2^(b-1)`` with zero point ``z - 2^(b-1)``, the same values.
+
+NVFP4 conventions are compressed-tensors' own (the harness implements them): ``gs = 448·6 /
+amax`` per tensor, block scales ``e4m3(gs · amax_b / 6)`` stored as E4M3, values
+``e2m1 · s_b / gs``. ``gs`` is recovered to the float32 bit from the dequantized weights, so the
+stored checkpoint decodes (in float32) to the harness's weights exactly. Two library limits
+(compressed-tensors 0.20.1, transformers 5.24): NVFP4 decompresses into *bfloat16* whatever the
+model's dtype (a float32 model sees each weight rounded by up to 2^-8 of itself; transformers'
+lazy path then fails, float != BFloat16, unless loaded with ``dequantize=True``, which drops the
+activation quantization), so NVFP4 round trips are bit-exact in bfloat16 and 2^-8-relative in
+float32; and the KV-cache scheme is not attached to transformers 5.24's attention (its forward
+takes ``cache=``), so on a CPU the loaded model runs its KV cache unquantized — the scales are
+checked as tensors, and ``harness.checkpoint.candidate`` refuses such a checkpoint rather than mis-measure it.
+
+NVFP4 activations: the harness computes the global scale per call from the call's own amax;
+compressed-tensors (and vLLM) use one calibrated ``input_global_scale = 448·6 / amax`` over the
+calibration batches (llm-compressor's ``static_minmax``). Calibrated on the very batch evaluated
+the two are identical (tested); on other inputs the block scales differ by that amax ratio
+(before E4M3 rounding), and an input above the calibrated amax saturates at the E4M3 maximum.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from harness import cli
+from harness.checkpoint.export_check import (
+    _plain_copy,
+    load_compressed,
+    stored_error,
+    verify,
+)
+from harness.checkpoint.export_grids import (
+    REPRESENTABLE,
+    ExportError,
+    _unsupported,
+    recover_fp8_scale,
+    recover_int_grid,
+    recover_nvfp4,
+)
+from harness.config import QuantConfig, TensorQuantConfig
+from harness.errors import UsageError
+
+__all__ = ["REPRESENTABLE", "ExportError", "ExportResult", "export", "kv_cache_args", "load_compressed",
+           "quantization_args", "recover_fp8_scale", "recover_int_grid", "recover_nvfp4", "stored_error", "verify"]
+
+log = logging.getLogger(__name__)
+
+# ------------------------------------------------------------------------------ scheme mapping
+def _nvfp4_fields(scheme: QuantConfig) -> dict[str, Any]:
+    """compressed-tensors' own NVFP4A16 / NVFP4 presets (``tensor_group`` strategy, group 16)."""
+    from compressed_tensors.quantization.quant_scheme import NVFP4, NVFP4A16
+
+    acts = scheme.activations
+    if acts is None:
+        return dict(NVFP4A16)
+    if not (acts.format == "nvfp4" and acts.dynamic):
+        raise _unsupported(f"nvfp4 weights with {acts.format} activations "
+                           f"({'dynamic' if acts.dynamic else 'static'})")
+    return dict(NVFP4)
+
+
+def quantization_args(scheme: QuantConfig) -> dict[str, Any]:
+    """compressed-tensors ``QuantizationScheme`` fields for ``scheme``'s linears, or :class:`ExportError`.
+
+    Empty for a KV-cache-only scheme (``kv8``). Also checks the KV cache (:func:`kv_cache_args`),
+    so one call refuses every unrepresentable part before anything is loaded.
+    """
+    from compressed_tensors.quantization import QuantizationArgs
+
+    kv = kv_cache_args(scheme)
+    weights: TensorQuantConfig | None = scheme.weights
+    if weights is None:
+        if kv is None:
+            raise _unsupported(f"scheme {scheme.name!r} (no weight quantization)")
+        if scheme.activations is not None:
+            raise _unsupported(f"scheme {scheme.name!r}: activation quantization without weight quantization")
+        return {}
+    fields: dict[str, Any] = {}
+    if weights.format == "int":
+        if weights.bits not in (4, 8) or weights.granularity not in ("channel", "group"):
+            raise _unsupported(f"int{weights.bits} weights per {weights.granularity}")
+        fields["weights"] = QuantizationArgs(num_bits=weights.bits, type="int", symmetric=weights.symmetric,
+                                             strategy=weights.granularity,
+                                             group_size=weights.group_size if weights.granularity == "group" else None)
+        if scheme.activations is not None:
+            raise _unsupported(f"scheme {scheme.name!r}: int weights with activation quantization "
+                               "(int W8A8 is not exported yet)")
+    elif weights.format == "fp8_e4m3":
+        if weights.granularity not in ("channel", "tensor"):
+            raise _unsupported(f"fp8 weights per {weights.granularity}")
+        fields["weights"] = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy=weights.granularity)
+        acts = scheme.activations
+        if acts is not None:
+            if not (acts.format == "fp8_e4m3" and acts.dynamic and acts.granularity == "token"):
+                raise _unsupported(f"activations {acts.format} per {acts.granularity} "
+                                   f"({'dynamic' if acts.dynamic else 'static'})")
+            fields["input_activations"] = QuantizationArgs(num_bits=8, type="float", symmetric=True,
+                                                           strategy="token", dynamic=True)
+    elif weights.format == "nvfp4":
+        fields = _nvfp4_fields(scheme)
+    else:
+        raise _unsupported(f"{weights.format} weights")
+    return fields
+
+
+def kv_cache_args(scheme: QuantConfig) -> Any:
+    """compressed-tensors ``kv_cache_scheme`` (a ``QuantizationArgs``) for ``scheme``, None without a KV cache.
+
+    Only what vLLM's ``kv_cache_dtype=fp8`` with checkpoint scales serves: FP8 E4M3 keys *and*
+    values, one static (calibrated) scale per layer each, no full-precision residual window.
+    """
+    from compressed_tensors.quantization import QuantizationArgs
+
+    kv = scheme.kv_cache
+    if kv is None:
+        return None
+    specs = {role: getattr(kv, role) for role in ("keys", "values")}
+    for role, spec in specs.items():
+        if spec is None:
+            raise _unsupported(f"a KV cache that quantizes only the {'values' if role == 'keys' else 'keys'}")
+        if not (spec.format == "fp8_e4m3" and spec.granularity == "tensor" and not spec.dynamic):
+            raise _unsupported(f"KV-cache {role} as {spec.format} per {spec.granularity} "
+                               f"({'dynamic' if spec.dynamic else 'static'})")
+    if kv.residual_length:
+        raise _unsupported(f"a KV cache with a full-precision residual window (residual_length={kv.residual_length})")
+    return QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="tensor", dynamic=False)
+
+
+# ------------------------------------------------------------------------------ the export
+@dataclass
+class ExportResult:
+    directory: Path
+    format: str
+    quantized: list[str]
+    kept: list[str]
+    max_abs_weight_error: float  # exported (decompressed) vs the harness's weights
+    quantization_config: dict[str, Any] = field(default_factory=dict)
+    # the written codes and scales decoded in float32 vs the harness's weights (differs from the above for
+    # nvfp4 only: compressed-tensors 0.20 decompresses NVFP4 to bfloat16)
+    max_abs_stored_error: float = 0.0
+    max_abs_kv_scale_error: float | None = None  # written k_scale / v_scale vs the harness's calibrated ones
+    input_global_scales: dict[str, float] = field(default_factory=dict)  # nvfp4 activations: 448·6 / calibrated amax
+    # bits per weight as written (harness.quant.base.bits_per_weight: quantized linears as stored — scales in the
+    # model's dtype —, kept ones at 16): what a run of this checkpoint as a candidate reports
+    bits_per_weight: float | None = None
+
+
+@torch.no_grad()
+def calibrate_input_amax(model: nn.Module, targets: dict[str, nn.Linear], batches: list[Tensor]) -> dict[str, Tensor]:
+    """Largest finite |input| of each target linear over ``batches``, through the harness's quantized model.
+
+    compressed-tensors' NVFP4 activations have dynamic block scales but a *static* per-tensor
+    global scale (``input_global_scale``, llm-compressor's ``static_minmax`` observer); the harness
+    computes that global scale per call from the call's own amax. The inputs are observed as the
+    exported model will see them: weights and upstream activations quantized."""
+    if not batches:
+        raise ExportError("nvfp4 activations need calibration batches for input_global_scale; "
+                          "raise quant.calibration.num_samples")
+    amax: dict[str, Tensor] = {}
+
+    def observe(name: str):
+        def hook(_module: nn.Module, inputs: tuple[Tensor, ...]) -> None:
+            x = inputs[0].detach().float()
+            value = torch.where(torch.isfinite(x), x.abs(), 0.0).amax()
+            amax[name] = value if name not in amax else torch.maximum(amax[name], value)
+        return hook
+
+    hooks = [module.register_forward_pre_hook(observe(name)) for name, module in targets.items()]
+    try:
+        device = next(model.parameters()).device
+        for batch in batches:
+            model(input_ids=batch.to(device), use_cache=False)
+    finally:
+        for handle in hooks:
+            handle.remove()
+    return {name: value.cpu() for name, value in amax.items()}
+
+
+def _global_scale(amax: Tensor) -> Tensor:
+    """compressed-tensors' ``generate_gparam``: 448·6 / amax in float32 (1 for amax 0), shape [1]."""
+    gs = torch.where(amax > 0, 448.0 * 6.0 / amax.clamp(min=torch.finfo(torch.float32).tiny), 1.0)
+    return torch.nan_to_num(gs, nan=1.0, posinf=1.0).to(torch.float32).reshape(1)
+
+
+def _set(module: nn.Module, name: str, value: Tensor) -> None:
+    param = getattr(module, name)
+    param.data.copy_(value.reshape(param.shape).to(param.dtype))
+
+
+def _write_weight_qparams(module: nn.Module, weight: Tensor, spec: TensorQuantConfig) -> None:
+    """Recover the grid of the harness's ``weight`` and store it as compressed-tensors' qparams."""
+    if spec.format == "int":
+        scale, zero = recover_int_grid(weight, spec.bits, symmetric=spec.symmetric,
+                                       granularity=spec.granularity, group_size=spec.group_size)
+        zero_point = torch.zeros_like(zero) if spec.symmetric else zero - 2 ** (spec.bits - 1)
+    elif spec.format == "nvfp4":
+        scale, global_scale, error = recover_nvfp4(weight)
+        # float32: exact or refused; bf16/fp16 hide the global scale's last bits: one rounding step of the dtype
+        allowed = 0.0 if weight.dtype == torch.float32 else torch.finfo(weight.dtype).eps * float(weight.abs().max())
+        if error > allowed:
+            raise ExportError(f"weights are not on an NVFP4 grid ({error:.3g} off at best); was the model "
+                              "quantized with this scheme?")
+        _set(module, "weight_global_scale", global_scale)
+        zero_point = None
+    else:
+        scale = recover_fp8_scale(weight, spec.granularity)
+        zero_point = torch.zeros_like(scale)
+    module.weight.data.copy_(weight)
+    _set(module, "weight_scale", scale)
+    if zero_point is not None and hasattr(module, "weight_zero_point"):
+        _set(module, "weight_zero_point", zero_point)
+
+
+def _kv_scales(model: nn.Module) -> dict[str, tuple[Tensor, Tensor]]:
+    """The harness's calibrated (key, value) scales per attention module name (amax / 448 each)."""
+    from harness.quant.kv import kv_layer_states
+
+    scales = {}
+    for name, state in kv_layer_states(model).items():
+        if state.key_scale is None or state.value_scale is None:
+            raise ExportError(f"{name}: the KV cache was never calibrated; quantize with the scheme first")
+        scales[name] = (state.key_scale.detach().float().cpu(), state.value_scale.detach().float().cpu())
+    if not scales:
+        raise ExportError("the scheme has a KV cache but the model has no calibrated KV-cache states "
+                          "(was harness.quant.apply run?)")
+    return scales
+
+
+def export(model: nn.Module, tokenizer: Any, scheme: QuantConfig, out: str | Path, *,
+           targets: dict[str, nn.Linear], kept: list[str], calibration: list[Tensor] | None = None) -> ExportResult:
+    """Write ``model`` (already quantized in place by the harness as ``scheme``) to ``out``.
+
+    ``targets`` / ``kept``: the linears the scheme quantized and those it left in high precision
+    (``harness.quant.base.target_linears``). ``calibration``: token batches for the static
+    ``input_global_scale`` of NVFP4 activations (needed only then). Raises :class:`ExportError`
+    before writing anything when the scheme is not representable.
+    """
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+
+    fields = quantization_args(scheme)
+    kv_args = kv_cache_args(scheme)
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise ExportError(f"out={out} exists and is not empty; choose a new directory")
+    kv_scales = _kv_scales(model) if kv_args is not None else {}
+    input_amax: dict[str, Tensor] = {}
+    if scheme.activations is not None and scheme.activations.format == "nvfp4":
+        input_amax = calibrate_input_amax(model, targets, calibration or [])
+    harness_weights = {name: module.weight.detach() for name, module in targets.items()} if fields else {}
+    exported = _plain_copy(model)
+    groups = {"group_0": QuantizationScheme(targets=["Linear"], **fields)} if fields else {}
+    config = QuantizationConfig(config_groups=groups, ignore=sorted(kept) if fields else [],
+                                kv_cache_scheme=kv_args, quantization_status="frozen")
+    apply_quantization_config(exported, config, show_progress=False)
+    modules = dict(exported.named_modules())
+    for name, weight in harness_weights.items():
+        assert scheme.weights is not None
+        _write_weight_qparams(modules[name], weight, scheme.weights)
+        if name in input_amax:
+            _set(modules[name], "input_global_scale", _global_scale(input_amax[name]))
+    for name, (key_scale, value_scale) in kv_scales.items():
+        # llm-compressor's names, read by vLLM (kv_cache_dtype=fp8): <attention>.k_scale / .v_scale, shape [1].
+        # Registered here: compressed-tensors 0.20 does not recognise transformers 5.24's attention (its
+        # forward takes `cache=`, not `past_key_values=`), so apply_quantization_config adds no k_scale.
+        modules[name].register_parameter("k_scale", nn.Parameter(key_scale.reshape(1), requires_grad=False))
+        modules[name].register_parameter("v_scale", nn.Parameter(value_scale.reshape(1), requires_grad=False))
+    compressor = ModelCompressor.from_pretrained_model(exported)
+    if compressor is None or compressor.quantization_config is None:  # KV cache only: no linear is quantized
+        compressor = ModelCompressor(quantization_config=QuantizationConfig(
+            config_groups={}, kv_cache_scheme=kv_args, quantization_status="compressed", format="dense"))
+    if kv_args is not None:
+        compressor.quantization_config.kv_cache_scheme = kv_args
+    compressor.compress_model(exported)
+    out.mkdir(parents=True, exist_ok=True)
+    exported.save_pretrained(out)
+    compressor.update_config(str(out))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    qconfig = json.loads((out / "config.json").read_text())["quantization_config"]
+    error, kv_error = verify(out, harness_weights, model, kv_scales)
+    stored = stored_error(out, harness_weights) if qconfig.get("format") == "nvfp4-pack-quantized" else error
+    log.info("exported %d quantized linears (%s) to %s; max |Δw| vs the harness %.3g", len(harness_weights),
+             qconfig.get("format"), out, error)
+    kept = sorted(kept) if fields else sorted(set(kept) | set(targets))  # KV cache only: every linear kept
+    return ExportResult(out, str(qconfig.get("format")), sorted(harness_weights), kept, error, qconfig,
+                        stored, kv_error, {name: float(_global_scale(a)) for name, a in input_amax.items()},
+                        written_bits_per_weight(out, model, kept))
+
+
+def written_bits_per_weight(directory: Path, model: nn.Module, kept: list[str]) -> float:
+    """Bits per weight of the checkpoint in ``directory`` (its safetensors headers), as runs count them."""
+    from harness.checkpoint.candidate import linear_shapes, measured_bits_per_weight
+    from harness.quant.base import bits_per_weight, linear_census
+
+    shapes = linear_shapes(model)
+    kept_params, head, _ = linear_census(model, kept)
+    stored = measured_bits_per_weight(directory, shapes, set(kept))
+    quantized = sum(out * inp for name, (out, inp) in shapes.items() if name not in kept and name != head)
+    return bits_per_weight([(quantized, stored)] if stored is not None and quantized else [], kept_params)
+
+
+# ------------------------------------------------------------------------------ CLI
+@dataclass
+class ExportOptions:
+    out: str = field(default="", metadata={"help": "output directory (new or empty), required"})
+
+
+TOOL = cli.Tool(prog="python -m harness.export", options=ExportOptions, run_config=True,
+                summary="Quantize the model as the run config says and write it as a compressed-tensors "
+                        "checkpoint (loadable by transformers + compressed-tensors and vLLM).")
+
+
+def _body(parsed: cli.Parsed[ExportOptions]) -> int:
+    from harness import quant
+    from harness.quant.base import target_linears
+
+    options = parsed.options
+    assert options is not None
+    if not options.out:
+        raise UsageError("out= is required, e.g. out=exports/smollm2_int4_g128")
+    cfg = parsed.run
+    scheme = quant.with_model_defaults(cfg.quant, cfg.model.ragged_groups)
+    quantization_args(scheme)  # refuse an unrepresentable scheme before loading anything
+    if Path(options.out).exists() and any(Path(options.out).iterdir()):
+        raise UsageError(f"out={options.out} exists and is not empty; choose a new directory")
+    from harness.decision.quant_report import prepare
+
+    prepared = prepare(cfg)
+    quant.apply(prepared.loaded.model, prepared.scheme, prepared.context)
+    targets, kept = target_linears(prepared.loaded.model, prepared.scheme)
+    calibration = (prepared.context.calibration_batches()
+                   if prepared.scheme.activations is not None and prepared.scheme.activations.format == "nvfp4"
+                   else None)
+    result = export(prepared.loaded.model, prepared.loaded.tokenizer, prepared.scheme, options.out,
+                    targets=targets, kept=kept, calibration=calibration)
+    print(f"wrote {result.directory} ({result.format}; {len(result.quantized)} quantized linears, "
+          f"{len(result.kept)} kept; {result.bits_per_weight:.4f} bits/weight as written); "
+          f"max |Δw| vs the harness's weights {result.max_abs_weight_error:.3g} "
+          f"(decompressed by compressed-tensors), {result.max_abs_stored_error:.3g} (stored values)"
+          + ("" if result.max_abs_kv_scale_error is None
+             else f"; k/v scales max |Δ| {result.max_abs_kv_scale_error:.3g}"))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.main(TOOL, _body, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,264 @@
+"""The gate's criteria: per slice, the outcome read off the one displayed interval (the rule is in
+:mod:`harness.decision.gate`'s docstring), and the outcome of a run and of a set of runs.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from harness import stats
+from harness.config import GateConfig, TokenGateConfig
+from harness.decision.gate_inputs import GateInputError, RunResults
+from harness.evaluation import sequential
+
+PASS, FAIL, INCONCLUSIVE = "pass", "fail", "inconclusive"
+EXIT_CODES = {PASS: 0, FAIL: 1, INCONCLUSIVE: 2}
+EXIT_BAD_INPUT = 3
+_RANK = {PASS: 0, INCONCLUSIVE: 1, FAIL: 2}
+
+def worst(outcomes: list[str]) -> str:
+    return max(outcomes, key=_RANK.__getitem__) if outcomes else INCONCLUSIVE
+
+
+@dataclass
+class Criterion:
+    """One test case: a slice under one criterion (accuracy non-inferiority, kl_mean, top1_agree)."""
+
+    slice: str
+    criterion: str
+    outcome: str
+    message: str
+    reasons: list[str] = field(default_factory=list)
+    numbers: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RunDecision:
+    run_name: str
+    directory: str
+    model: str
+    scheme: str
+    criteria: list[Criterion]
+
+    @property
+    def outcome(self) -> str:
+        return worst([c.outcome for c in self.criteria])
+
+    def slice_outcomes(self) -> dict[str, str]:
+        slices = dict.fromkeys(c.slice for c in self.criteria)
+        return {s: worst([c.outcome for c in self.criteria if c.slice == s]) for s in slices}
+
+
+@dataclass
+class GateDecision:
+    runs: list[RunDecision]
+    config: dict[str, Any]
+
+    @property
+    def outcome(self) -> str:
+        return worst([r.outcome for r in self.runs])
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self.outcome]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"outcome": self.outcome, "exit_code": self.exit_code, "config": self.config,
+                "runs": [{"run_name": r.run_name, "directory": r.directory, "model": r.model, "scheme": r.scheme,
+                          "outcome": r.outcome, "slices": r.slice_outcomes(),
+                          "criteria": [asdict(c) for c in r.criteria]} for r in self.runs]}
+
+
+def _fmt(value: Any, spec: str = ".3f") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "nan"
+    return format(value, spec)
+
+
+def _json_number(value: Any) -> Any:
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, (np.floating, float)):
+        return None if math.isnan(float(value)) else float(value)
+    if isinstance(value, np.bool_):
+        return bool(value)
+    return value
+
+
+def slice_chance(cfg: GateConfig, slice_name: str, items: pd.DataFrame) -> float:
+    """Accuracy of guessing: gate.chance[slice], else mc_chance per multiple-choice item (0 generative)."""
+    if slice_name in cfg.chance:
+        return float(cfg.chance[slice_name])
+    return float(np.mean(np.where(items["output_type"] == "multiple_choice", cfg.mc_chance, 0.0)))
+
+
+def accuracy_criteria(run: RunResults, cfg: GateConfig) -> list[Criterion]:
+    """The accuracy decision of every gated slice of one run (module docstring: the ship rule).
+
+    Each slice's interval is the clustered score interval of :mod:`harness.stats` at level
+    1 - 2α, the one printed: pass ⇔ its lower bound > -margin. The fail claim (Δ < -margin)
+    is read off the same statistic's upper bound at level 1 - 2α/k, Bonferroni over the k gated
+    slices (``correction=none``: k = 1), also printed.
+    """
+    compare = run.config.get("compare", {})
+    default_margin = cfg.margin if cfg.margin is not None else float(compare.get("margin", 0.02))
+    correction = cfg.correction or compare.get("correction", "holm")
+    items = run.items
+    slices = [s for s in sorted(items["slice"].unique()) if not cfg.slices or s in cfg.slices]
+    family = 1 if correction == "none" else max(1, len(slices))
+    out = []
+    for name in slices:
+        group = items[items["slice"] == name]
+        margin = float(cfg.margins.get(name, default_margin))
+        clusters = group["cluster"].to_numpy(dtype=object) if "cluster" in group else None
+        ref, quant = group["correct_ref"].to_numpy(float), group["correct_quant"].to_numpy(float)
+        shown = stats.paired_compare(ref, quant, clusters=clusters, n_resamples=int(compare.get("n_resamples", 2000)),
+                                     seed=int(compare.get("seed", 0)), ci_level=1 - 2 * cfg.alpha, margin=margin,
+                                     min_clusters=1)
+        fail_level = 1 - 2 * cfg.alpha / family
+        row = shown.to_dict()
+        record = (run.summary.get("sequential") or {}).get(name)
+        if record is not None:  # a sequential run: its confidence sequence decides, at this gate's α and margin
+            sequence = sequential.gate_sequence(group, _not_evaluated(run, name), record, margin, cfg.alpha, family)
+            row.update(delta_ci_low=sequence.lower, delta_ci_high=sequence.upper, fail_ci_high=sequence.upper,
+                       interval="sequence", items_total=sequence.n_total, method=record["method"])
+        else:
+            codes = stats.paired.cluster_codes(clusters, len(group))
+            row.update(fail_ci_high=stats.score_test(quant - ref, codes).interval(fail_level)[1], interval="score")
+        row.update(slice=name, chance=slice_chance(cfg, name, group), fail_level=fail_level, family=family)
+        out.append(_accuracy_decision(row, cfg, correction))
+    return out
+
+
+# The score test's largest false-pass rate at Δ = -m with few clusters, α = 0.05 (benchmarks/bench_gate_oc.py,
+# 2,000 data sets per design, README): why a pass needs gate.min_clusters_pass clusters.
+FEW_CLUSTER_FALSE_PASS = ("measured up to 0.108 with 5 clusters and 0.075 with 10, 0.158 with 10 when flips "
+                          "concentrate (ICC 0.2); at most 0.060 from 20")
+
+
+def _few_clusters_to_pass(row: dict[str, Any], cfg: GateConfig) -> bool:
+    """Whether a slice of multi-item clusters has fewer clusters than a pass needs (a sequence read by
+    betting assumes nothing of the clusters and is exempt)."""
+    clustered = int(row["n_clusters"]) < int(row["n"])
+    betting = row.get("interval") == "sequence" and row.get("method") == "betting"
+    return clustered and not betting and int(row["n_clusters"]) < cfg.min_clusters_pass
+
+
+def _not_evaluated(run: RunResults, slice_name: str) -> pd.DataFrame | None:
+    """The items a sequential run did not need in ``slice_name`` (not_evaluated.parquet), or None."""
+    path = run.directory / "not_evaluated.parquet"
+    if not path.exists():
+        return None
+    try:
+        frame = pd.read_parquet(path)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same bad input
+        raise GateInputError(f"{path} is unreadable ({type(exc).__name__}); rerun the job with force=true") from None
+    return frame[frame["slice"] == slice_name]
+
+
+def _accuracy_decision(row: dict[str, Any], cfg: GateConfig, correction: str) -> Criterion:
+    margin, n, clusters = float(row["margin"]), int(row["n"]), int(row["n_clusters"])
+    headroom = float(row["acc_ref"]) - row["chance"]
+    low, high, fail_high = row["delta_ci_low"], row["delta_ci_high"], row["fail_ci_high"]
+    level = 100 * (1 - 2 * cfg.alpha)
+    family = int(row["family"])
+    reasons: list[str] = []
+    if n < cfg.min_items:
+        reasons.append(f"too few items ({n} < gate.min_items={cfg.min_items})")
+    if clusters < cfg.min_clusters:
+        reasons.append(f"too few clusters ({clusters} < gate.min_clusters={cfg.min_clusters})")
+    adjusted = f"{100 * row['fail_level']:.4g} % upper bound, Bonferroni over {family} slices" if family > 1 else \
+        f"{level:.4g} % upper bound"
+    if reasons:
+        outcome = INCONCLUSIVE
+    elif fail_high < -margin:
+        outcome = FAIL
+        reasons = [f"worse beyond the margin: {adjusted} {100 * fail_high:+.1f} pt < -{100 * margin:.1f} pt"]
+    elif low > -margin and _few_clusters_to_pass(row, cfg):
+        outcome = INCONCLUSIVE
+        reasons = [f"non-inferior on its interval, but a pass needs {cfg.min_clusters_pass} clusters "
+                   f"(gate.min_clusters_pass; this slice has {clusters} of {n} items): with fewer the measured "
+                   f"false-pass rate at the margin exceeds α ({FEW_CLUSTER_FALSE_PASS})"]
+    elif low > -margin and headroom < cfg.min_headroom:
+        outcome = INCONCLUSIVE
+        reasons = [f"reference near floor/chance (acc_ref {row['acc_ref']:.3f} - chance {row['chance']:.3f} = "
+                   f"{headroom:.3f} < gate.min_headroom={cfg.min_headroom}): it cannot show a loss"]
+    elif low > -margin:
+        outcome = PASS
+    else:
+        outcome = INCONCLUSIVE
+        reasons = [f"non-inferiority not shown: lower bound {100 * low:+.1f} pt <= -{100 * margin:.1f} pt"]
+        if fail_high >= -margin and high < 0:
+            reasons.append("a drop is shown, its size against the margin is not")
+        if row["mde"] > margin and row.get("interval") != "sequence":
+            reasons.append(f"MDE {row['mde']:.3f} exceeds the margin {margin:.3f}")
+    # More items settle it unless Δ̂ is at/beyond the margin, the reference is at the floor, or clusters are few.
+    settleable = bool(row["settleable"]) and row.get("interval") != "sequence"  # a sequence used what it had
+    settles = outcome == INCONCLUSIVE and settleable and headroom >= cfg.min_headroom and clusters >= cfg.min_clusters
+    if outcome == INCONCLUSIVE and row.get("interval") == "sequence" and not any(r.startswith("too few") for r in reasons):
+        reasons.append(f"the confidence sequence did not settle on the slice's {row['items_total']} items")
+    elif outcome == INCONCLUSIVE and not settleable and not any(r.startswith("too few") for r in reasons):
+        reasons.append(f"cannot be settled by more items: Δ̂ {100 * row['delta']:+.1f} pt is at or beyond the margin")
+    numbers = {key: _json_number(row[key]) for key in ("n", "n_clusters", "acc_ref", "acc_quant", "delta", "delta_ci_low",
+                                                 "delta_ci_high", "delta_se", "delta_p", "design_effect",
+                                                 "flips_right_to_wrong", "flips_wrong_to_right", "noninferiority_p",
+                                                 "inferiority_p", "mde", "fail_ci_high", "fail_level")}
+    numbers.update({"margin": margin, "alpha": cfg.alpha, "ci_level": 1 - 2 * cfg.alpha, "correction": correction,
+                    "family": family, "chance": row["chance"], "headroom": headroom, "settleable": settleable,
+                    "n_needed": _json_number(row["n_needed"]) if settles else None})
+    interval = (f"confidence sequence: lower bound (level {cfg.alpha:g}) {100 * low:+.1f} pt" if row.get("interval") == "sequence"
+                else f"{level:.4g} % CI [{100 * low:+.1f}, {100 * high:+.1f}]")
+    if row.get("interval") == "sequence":
+        adjusted = adjusted.replace("upper bound", "sequence upper bound")
+        numbers["items_total"] = int(row["items_total"])
+        numbers["interval"] = "sequence"
+    message = (f"{outcome}: delta {100 * row['delta']:+.1f} pt, {interval} "
+               f"vs margin -{100 * margin:.1f} pt ({adjusted} {100 * fail_high:+.1f}); acc_ref {row['acc_ref']:.3f}, "
+               + (f"n={n} of {row['items_total']} (sequential), clusters={clusters}"
+                  if row.get("interval") == "sequence" else
+                  f"n={n}, clusters={clusters}, non-inferiority p={_fmt(row['noninferiority_p'], '.3g')}, "
+                  f"MDE {100 * row['mde']:.1f} pt")
+               + (f", n_needed={numbers['n_needed']} (80 % power if the true delta were 0)" if settles else "")
+               + ("; " + "; ".join(reasons) if reasons else ""))
+    return Criterion(str(row["slice"]), "accuracy_noninferiority", outcome, message, reasons, numbers)
+
+
+def token_criteria(run: RunResults, cfg: GateConfig, slices: list[str]) -> list[Criterion]:
+    """``<slice>/kl_mean <= kl_mean_max`` and ``<slice>/top1_agree >= top1_agree_min`` where set."""
+    metrics = run.summary.get("metrics", {})
+    out = []
+    for name in slices:
+        limits = cfg.token_slices.get(name, TokenGateConfig())
+        kl_max = limits.kl_mean_max if limits.kl_mean_max is not None else cfg.token.kl_mean_max
+        top1_min = limits.top1_agree_min if limits.top1_agree_min is not None else cfg.token.top1_agree_min
+        for metric, limit, ok in (("kl_mean", kl_max, lambda v, lim: v <= lim),
+                                  ("top1_agree", top1_min, lambda v, lim: v >= lim)):
+            if limit is None:
+                continue
+            value = metrics.get(f"{name}/{metric}")
+            relation = "<=" if metric == "kl_mean" else ">="
+            if value is None:
+                out.append(Criterion(name, metric, INCONCLUSIVE, f"inconclusive: no {name}/{metric} in summary.json "
+                                     "(the slice scored no divergence texts)", ["no token data"], {"limit": limit}))
+                continue
+            outcome = PASS if ok(value, limit) else FAIL
+            se = metrics.get(f"{name}/{metric}_se")
+            out.append(Criterion(name, metric, outcome, f"{outcome}: {metric} {value:.4g}"
+                                 + (f" (se {se:.2g})" if se is not None else "") + f", required {relation} {limit:g}",
+                                 [] if outcome == PASS else [f"{metric} {value:.4g} not {relation} {limit:g}"],
+                                 {"value": value, "se": se, "limit": limit}))
+    return out
+
+
+def decide_run(run: RunResults, cfg: GateConfig) -> RunDecision:
+    accuracy = accuracy_criteria(run, cfg)
+    slices = [c.slice for c in accuracy]
+    tokens = token_criteria(run, cfg, slices)
+    order = {s: i for i, s in enumerate(slices)}
+    criteria = sorted(accuracy + tokens, key=lambda c: order[c.slice])
+    return RunDecision(str(run.summary.get("run_name", run.directory.name)), str(run.directory),
+                       str(run.summary.get("model", "")), str(run.summary.get("scheme", "")), criteria)

@@ -1,0 +1,72 @@
+"""The gate's output: the table printed and logged, gate.json, and gate.xml (JUnit: one test case
+per slice and criterion, inconclusive as skipped, the numbers in the message)."""
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pandas as pd
+
+from harness.decision.criteria import FAIL, INCONCLUSIVE, GateDecision, _fmt
+from harness.infra.cache import atomic_write_json, atomic_write_text
+
+
+def junit_xml(decision: GateDecision) -> str:
+    """JUnit XML: a testsuite per run, a testcase per slice and criterion; inconclusive is skipped."""
+    root = ET.Element("testsuites", name="harness.gate")
+    totals = {"tests": 0, "failures": 0, "skipped": 0}
+    for run in decision.runs:
+        suite = ET.SubElement(root, "testsuite", name=run.run_name)
+        counts = {"tests": len(run.criteria), "failures": 0, "skipped": 0}
+        for c in run.criteria:
+            case = ET.SubElement(suite, "testcase", classname=f"{run.run_name}.{c.slice}", name=c.criterion)
+            if c.outcome == FAIL:
+                ET.SubElement(case, "failure", message=c.message, type="gate.fail").text = c.message
+                counts["failures"] += 1
+            elif c.outcome == INCONCLUSIVE:
+                ET.SubElement(case, "skipped", message=c.message)
+                counts["skipped"] += 1
+            ET.SubElement(case, "system-out").text = json.dumps(c.numbers, sort_keys=True)
+        for key, value in counts.items():
+            suite.set(key, str(value))
+            totals[key] += value
+        suite.set("errors", "0")
+    for key, value in totals.items():
+        root.set(key, str(value))
+    root.set("errors", "0")
+    return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
+
+
+def table(decision: GateDecision) -> pd.DataFrame:
+    rows = []
+    for run in decision.runs:
+        for c in run.criteria:
+            x = c.numbers
+            if c.criterion == "accuracy_noninferiority":
+                if x.get("interval") == "sequence":  # a sequential run: items used of the slice's, the sequence's bounds
+                    detail = (f"Δ {100 * x['delta']:+.1f} seq [{100 * x['delta_ci_low']:+.1f}, "
+                              f"{100 * x['delta_ci_high']:+.1f}] m {100 * x['margin']:.1f}; "
+                              f"{x['n']}/{x['items_total']} items")
+                else:
+                    detail = (f"Δ {100 * x['delta']:+.1f} [{100 * x['delta_ci_low']:+.1f}, {100 * x['delta_ci_high']:+.1f}] "
+                              f"({100 * x['ci_level']:.4g} %) m {100 * x['margin']:.1f}")
+                n_needed = x["n_needed"] if x["n_needed"] is not None else \
+                    ("not by more items" if not x["settleable"] and c.outcome == INCONCLUSIVE
+                     and x.get("interval") != "sequence" else "")
+                rows.append({"run": run.run_name, "slice": c.slice, "criterion": "accuracy", "outcome": c.outcome,
+                             "n": x["n"], "acc_ref": round(x["acc_ref"], 3), "detail": detail,
+                             "fail bound": f"{100 * x['fail_ci_high']:+.1f}", "p_ni": _fmt(x["noninferiority_p"], ".3g"),
+                             "mde_pt": round(100 * x["mde"], 1), "n_needed": n_needed, "why": "; ".join(c.reasons)})
+            else:
+                rows.append({"run": run.run_name, "slice": c.slice, "criterion": c.criterion, "outcome": c.outcome,
+                             "n": "", "acc_ref": "", "detail": c.message.split(": ", 1)[-1], "fail bound": "",
+                             "p_ni": "", "mde_pt": "", "n_needed": "", "why": "; ".join(c.reasons)})
+    return pd.DataFrame(rows)
+
+
+def write(decision: GateDecision, out: Path) -> tuple[Path, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "gate.json", decision.to_dict())
+    atomic_write_text(out / "gate.xml", junit_xml(decision))
+    return out / "gate.json", out / "gate.xml"

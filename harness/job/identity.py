@@ -1,0 +1,191 @@
+"""What a job and its cached pieces *are*: the keys that decide what is reused and what is recomputed.
+
+A finished job is found again by :func:`run_key` (model, scheme, slices and settings; not where
+its outputs go or how many threads ran it), a slice's reference by :func:`reference_key` (model,
+slice content, the settings that change the reference's numbers, library versions). The
+evaluation settings and divergence texts of a slice are derived here too, so that the pipeline,
+the sweep planner, the sensitivity tool and the benchmarks build them one way.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from itertools import zip_longest
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from harness.config import RunConfig
+from harness.errors import UsageError
+from harness.evaluation import evaluate
+from harness.evaluation.slices import Slice
+from harness.infra.cache import file_sha256, stable_hash
+from harness.models import loading as models
+
+# Config sections that say where results go or how a job runs, not what it computes.
+TRANSIENT_SECTIONS = ("tracking", "paths", "force", "runtime", "gate")
+
+
+def to_config(cfg: DictConfig | RunConfig) -> RunConfig:
+    """The typed run config of a composed DictConfig (a RunConfig is returned as is)."""
+    if isinstance(cfg, RunConfig):
+        return cfg
+    return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+
+
+def config_dict(cfg: RunConfig) -> dict:
+    """The run config as plain, resolved data (what config.json holds)."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
+
+
+def eval_settings(cfg: RunConfig, tokenizer_path: str | None) -> evaluate.EvalSettings:
+    """The lm-eval settings of a job (batch size falls back to the model's)."""
+    return evaluate.EvalSettings(batch_size=cfg.eval.batch_size or cfg.model.batch_size, max_length=cfg.model.max_length,
+                                 device=cfg.model.device, chat_template=cfg.model.chat_template, seed=cfg.eval.seed,
+                                 tokenizer_path=tokenizer_path, backend=cfg.eval.backend,
+                                 generator=cfg.eval.generator, max_gen_toks=cfg.eval.max_gen_toks)
+
+
+def check_backend(cfg: RunConfig) -> None:
+    """The evaluation settings, before any work: eval.max_gen_toks, the generator, and that eval.backend=vllm
+    serves checkpoints (the reference's and an external candidate's)."""
+    
+    cap = cfg.eval.max_gen_toks
+    if cap is not None and cap < 1:
+        raise UsageError(f"eval.max_gen_toks={cap!r}: give a number of tokens >= 1, or null for each task's own")
+    if cfg.eval.generator not in evaluate.GENERATORS:
+        raise UsageError(f"eval.generator={cfg.eval.generator!r}: use one of {list(evaluate.GENERATORS)}")
+    if cfg.eval.backend not in evaluate.BACKENDS:
+        raise UsageError(f"eval.backend={cfg.eval.backend!r}: use one of {list(evaluate.BACKENDS)}")
+    if cfg.eval.backend != "vllm":
+        return
+    evaluate.check_vllm()
+    if cfg.model.source != "hf":
+        raise UsageError(f"eval.backend=vllm loads the reference from model.path; model.source={cfg.model.source!r} "
+                         "has no checkpoint vLLM can load (use a hub id or a local directory)")
+    if not cfg.candidate.path:
+        raise UsageError("eval.backend=vllm serves checkpoints, and the harness's own quantization is simulated: "
+                         "export it first (python -m harness.export model=... quant=... out=DIR), then evaluate "
+                         "quant=external candidate.path=DIR")
+
+
+def tokenizer_dir(loaded: models.LoadedModel) -> str | None:
+    """The loaded tokenizer's local directory (slices that count tokens load it), or None."""
+    path = getattr(loaded.tokenizer, "name_or_path", None)
+    return path if path and Path(path).exists() else None
+
+
+def slice_identity(slice_: Slice) -> dict[str, Any]:
+    """Everything that determines a slice's items and prompts (files hashed by content)."""
+    files = {}
+    if slice_.directory is not None:
+        for path in sorted(slice_.directory.glob("*")):
+            if path.suffix in (".py", ".yaml", ".json", ".jsonl", ".txt"):
+                files[path.name] = file_sha256(path)[:16]
+    return {"name": slice_.name, "config": dataclasses.asdict(slice_.config), "files": files}
+
+
+def reference_key(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig) -> str:
+    """Cache key of one slice's reference: the model, the slice's content and the settings that change it."""
+    settings = {"chat_template": cfg.model.chat_template, "max_length": cfg.model.max_length, "seed": cfg.eval.seed,
+                "divergence_max_tokens": cfg.eval.divergence_max_tokens, "store": cfg.eval.reference_store,
+                "topk": cfg.eval.reference_topk, **({"backend": cfg.eval.backend} if cfg.eval.backend != "hf" else {}),
+                "generator": cfg.eval.generator,
+                **({"max_gen_toks": cfg.eval.max_gen_toks} if cfg.eval.max_gen_toks is not None else {}),
+                "lm_eval": _version("lm_eval"), "transformers": _version("transformers"), "device": cfg.model.device,
+                "records": 2}  # 2: records carry each item's doc_id (sequential rounds select items by it)
+    if served_format(slice_, cfg):  # its divergence texts are its items' prompts + this reference's replies
+        settings["divergence"] = SERVED_FORMAT
+    return stable_hash({"model": loaded.identity, "slice": slice_identity(slice_), "settings": settings}, 24)
+
+
+@functools.cache  # parsing a package's METADATA costs ~4.5 ms, and every slice's reference key asks twice
+def _version(package: str) -> str:
+    from importlib.metadata import version
+    return version(package.replace("_", "-"))
+
+
+def run_key(cfg: RunConfig, model_identity: dict | None = None) -> str:
+    """Identity of a job's result: model, scheme, slices and settings (not tracking/paths/runtime)."""
+    data = config_dict(cfg)
+    for transient in TRANSIENT_SECTIONS:
+        data.pop(transient, None)
+    if cfg.eval.sequential:  # where a slice stops depends on the gate's level and margins
+        data["sequential_stop"] = {"alpha": cfg.gate.alpha, "margin": cfg.gate.margin, "margins": dict(cfg.gate.margins),
+                                   "slices": list(cfg.gate.slices), "correction": cfg.gate.correction}
+    else:  # keys of runs from before the option existed stay the same
+        data["eval"].pop("sequential", None)
+        data["eval"].pop("sequential_round_items", None)
+        data["eval"].pop("sequential_method", None)
+    if cfg.eval.max_gen_toks is None:  # likewise
+        data["eval"].pop("max_gen_toks", None)
+    return stable_hash({"config": data, "model": model_identity}, 16)
+
+
+def run_name(cfg: RunConfig) -> str:
+    """The run's display name: tracking.run_name, else <model>/<scheme>/<slices>."""
+    return cfg.tracking.run_name or f"{cfg.model.name}/{cfg.quant.name}/{'+'.join(cfg.slices)}"
+
+
+def max_divergence_tokens(slice_: Slice, cfg: RunConfig) -> int:
+    """Tokens of each divergence text scored: the slice's own limit, else eval's, within the context."""
+    limit = slice_.config.metadata.get("divergence_max_tokens", cfg.eval.divergence_max_tokens)
+    return min(int(limit), cfg.model.max_length)
+
+
+def served_format(slice_: Slice, cfg: RunConfig) -> bool:
+    """Whether a slice's divergence is scored on served texts (see :func:`served_texts`).
+
+    For a model evaluated through its chat template (the format it serves), and for slices that
+    set ``divergence_from_reference`` (long generation: error growth along the reference's reply).
+    Base models keep their plain gold texts. Registry slices, which have no gold texts, get
+    served texts too (from lm-eval's records).
+    """
+    return bool(cfg.model.chat_template or slice_.config.divergence_from_reference)
+
+
+SERVED_FORMAT = "served-v1"  # in the reference key of slices scored on served texts
+
+
+def served_texts(slice_: Slice, records: Any, tokenizer: Any) -> list[Any]:
+    """Each item's prompt exactly as the evaluation sent it, followed by the reference's own reply.
+
+    The prompt is the string lm-eval rendered (chat template, system prompt, instruction; the
+    records' ``prompt``), the reply the reference's greedy generation or chosen continuation
+    (``reply``). ``slice_.config.served_texts`` items at most (None: every item; a slice with
+    ``divergence_from_reference`` keeps its ``divergence_texts``), taken in turn from each
+    sub-slice and task so that every sub-slice is represented.
+    """
+    from harness.divergence.scoring import served_text
+
+    if records.empty or "prompt" not in records:
+        return []
+    rows = records[records["prompt"].astype(str) != ""]
+    limit = slice_.config.served_texts
+    if limit is None and slice_.config.divergence_from_reference:
+        limit = slice_.config.divergence_texts
+    chosen = spread_rows(rows, limit)
+    return [served_text(tokenizer, str(row.prompt), str(row.reply)) for row in chosen.itertuples()]
+
+
+def spread_rows(rows: Any, limit: int | None) -> Any:
+    """``limit`` rows taken round-robin over sub-slices (first-seen order), each sub-slice
+    alternating over its tasks, the first task rotating by sub-slice; all rows when ``limit`` is None."""
+    if limit is None or limit >= len(rows):
+        return rows
+    queues = []
+    for index, (_, group) in enumerate(rows.groupby("sub_slice", sort=False)):
+        by_task = [list(g.index) for _, g in group.groupby("task", sort=False)]
+        by_task = by_task[index % len(by_task):] + by_task[:index % len(by_task)]
+        queue = [i for batch in zip_longest(*by_task) for i in batch if i is not None]
+        queues.append(queue)
+    order = [i for batch in zip_longest(*queues) for i in batch if i is not None]
+    return rows.loc[order[:limit]]
+
+
+def divergence_texts(slice_: Slice, cfg: RunConfig, settings: evaluate.EvalSettings) -> list[str]:
+    """The gold texts scored for KL / PPL on ``slice_`` (none for registry slices)."""
+    if slice_.directory is None:
+        return []
+    return slice_.divergence_texts(**slice_.metadata(cfg.eval.seed, settings.tokenizer_path, settings.max_length))

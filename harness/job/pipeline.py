@@ -1,0 +1,522 @@
+"""The pipeline of one job, top to bottom: config → model → reference → quantize →
+evaluate → divergence → compare → results on disk → MLflow.
+
+This module orchestrates and nothing else: what a job *is* (its keys, settings and
+divergence texts) lives in :mod:`harness.job.identity`, the reference stage in
+:mod:`harness.reference`, each stage's work in its own module. Every stage is a function of
+plain data so a notebook can run them one at a time (see the README's Python API).
+Expensive stages are preceded by every check that can be made in advance. The caller's
+config is never modified, and each results file is written once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import pandas as pd
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from harness import quant
+from harness.checkpoint import candidate
+from harness.config import RunConfig
+from harness.decision import gate, ledger
+from harness.divergence import scoring as divergence
+from harness.errors import UsageError
+from harness.evaluation import evaluate, sequential
+from harness.evaluation.slices import Slice, check_hub_for_registry, resolve
+from harness.infra import devices, joblog, progress
+from harness.infra.cache import (
+    Cache,
+    atomic_write_json,
+    atomic_write_text,
+    check_cache_dir,
+)
+from harness.infra.runtime import apply_threads
+from harness.job import background_reference, disk, stage_meter, sweep
+from harness.job.identity import (
+    check_backend,
+    config_dict,
+    eval_settings,
+    run_key,
+    run_name,
+    to_config,
+    tokenizer_dir,
+)
+from harness.job.reference import (
+    SliceReference,
+    deferred_references,
+    reference_unless_busy,
+    share_heads,
+)
+from harness.models import loading as models
+from harness.models import placement
+from harness.quant.calibration import check_format
+from harness.results import longgen, report, summary, tracking
+from harness.results.tracking import SWEEP_TAG
+
+log = logging.getLogger("harness")
+
+
+class ResultsDirError(PermissionError, UsageError):
+    """The results directory cannot be written; the message names it and the setting to change."""
+
+
+@dataclass
+class Timings:
+    stages: dict[str, float] = field(default_factory=dict)
+    meter: stage_meter.StageMeter = field(default_factory=stage_meter.StageMeter)  # memory and tokens per stage
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        progress.current().stage(name)  # "▶ name" in the log, or the job's progress display
+        self.meter.begin(name)
+        try:
+            with progress.token_source(self.tokens):
+                yield
+        finally:
+            elapsed = time.perf_counter() - start
+            self.stages[name] = self.stages.get(name, 0.0) + elapsed
+            self.meter.end(name, elapsed)
+            progress.current().stage(name, elapsed)
+
+    def tokens(self) -> int:
+        """Tokens the model has run in this process so far (every stage)."""
+        return sum(use.prefill_tokens + use.generated_tokens for use in self.meter.stages.values())
+
+
+@dataclass
+class Preflight:
+    """What the checks before loading the model found: the slices and the tracking store."""
+
+    slices: list[Slice]
+    uri: str
+    tracking_problem: str | None
+
+
+@dataclass
+class Evaluated:
+    """The quantized model's per-item records and lm-eval bookkeeping, all slices."""
+
+    records: pd.DataFrame
+    aggregates: dict[str, float]
+    restored: dict[str, int]  # requests read back from an interrupted attempt's checkpoint
+    requests: dict[str, int]
+    sequential: dict[str, dict] = field(default_factory=dict)  # eval.sequential: per slice, where it stopped and why
+    placement: pd.DataFrame | None = None  # eval.sequential: item_id, seq_round, seq_order of the answered items
+    waited: dict[str, SliceReference] = field(default_factory=dict)  # references waited for before a round
+
+
+def job_config(cfg: DictConfig | RunConfig) -> RunConfig:
+    """The job's own config: scheme defaults of the model filled in, the sweep id tagged.
+
+    A copy: the caller's config (a notebook may reuse it) is left exactly as given.
+    """
+    cfg = to_config(cfg)
+    tags = sweep.tags_with_sweep_id(cfg.tracking.tags)  # harness.sweep_id groups a sweep's runs
+    scheme = quant.with_model_defaults(cfg.quant, cfg.model.ragged_groups)
+    if candidate.requested(cfg.candidate, scheme.name):  # an external checkpoint is the candidate
+        scheme = dataclasses.replace(scheme, name=f"external:{candidate.candidate_name(cfg.candidate)}")
+    return dataclasses.replace(cfg, quant=scheme, tracking=dataclasses.replace(cfg.tracking, tags=tags))
+
+
+@dataclass
+class Job:
+    """What every stage of one job shares: its config, the checks made before loading, the model, the
+    cache, and where its results go."""
+
+    cfg: RunConfig
+    runtime: dict[str, Any]  # torch threads and where the number came from (summary.json's runtime)
+    timings: Timings
+    checked: Preflight
+    cache: Cache
+    loaded: models.LoadedModel  # the reference model, as loaded
+    key: str
+    results_dir: Path
+
+    @property
+    def checkpoint(self) -> Path:
+        """lm-eval's per-request results: a killed job resumes from them."""
+        return self.results_dir / "checkpoint"
+
+    @property
+    def finished(self) -> bool:
+        return (self.results_dir / "summary.json").exists()
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """The model being judged: a scheme the harness applied, or an external checkpoint."""
+
+    loaded: models.LoadedModel
+    quant_report: quant.QuantReport
+    params: dict[str, Any]  # an external checkpoint's scheme as parameters ({} for the harness's own)
+
+
+def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
+    """Run one job; returns the summary (also written to results/<run>/summary.json).
+
+    The stages, top to bottom; where the job has a choice, the config picks the stage:
+
+    * reference: in this process, or in a background process (:func:`background_reference.start`);
+      a reference another job is computing is read after evaluating;
+    * candidate: the scheme applied by the harness, or an external checkpoint (``candidate.path``);
+    * evaluate: whole slices, or sequential rounds that stop once settled (``eval.sequential``);
+    * gate: gate.json and gate.xml beside the results (``gate.enabled``).
+    """
+    started_at = time.time()
+    job = open_job(job_config(cfg))
+    if job.finished and not job.cfg.force:
+        log.info("finished results for this config exist in %s; reusing them (force=true recomputes)",
+                 job.results_dir)
+        _log_to_mlflow(job.results_dir, job.cfg, job.checked)
+        return pd.read_json(job.results_dir / "summary.json", typ="series").to_dict()
+    disk.check_disk_space(disk.job_writes(job.cfg, job.loaded, job.checked.slices, job.cache, job.results_dir))
+    if job.cfg.force:
+        shutil.rmtree(job.checkpoint, ignore_errors=True)
+
+    with job.timings.stage("reference"), progress.side("reference"):
+        background = background_reference.start(job.cfg, job.loaded, job.checked.slices, job.cache,
+                                                job.runtime["threads"])
+        ready = {s.name: r for s in job.checked.slices
+                 if (r := reference_unless_busy(job.loaded, s, job.cfg, job.cache)) is not None}
+    candidate_stage = external_candidate if job.cfg.candidate.path else quantized_candidate
+    with job.timings.stage("quantize"):
+        judged = candidate_stage(job)
+    evaluate_stage = evaluate_in_rounds if job.cfg.eval.sequential else evaluate_slices
+    with job.timings.stage("evaluate"):
+        evaluated = evaluate_stage(judged.loaded, job, ready)
+    references, deferred = gather_references(job, {**ready, **evaluated.waited}, background)
+    with job.timings.stage("divergence"), background_reference.scoring_threads(background, job.runtime["threads"]):
+        tokens = pd.concat([divergence.compare_to_reference(judged.loaded.model, references[s.name].texts, s.name)
+                            for s in job.checked.slices], ignore_index=True)
+    result = write_results(job, judged, references, evaluated, tokens, started_at, deferred)
+    if job.cfg.gate.enabled:  # gate.json + gate.xml beside the results (a sweep gates every run)
+        decision = gate.gate_results(job.results_dir, job.cfg.gate)
+        result["gate"] = {"outcome": decision.outcome, "exit_code": decision.exit_code}
+    shutil.rmtree(job.checkpoint, ignore_errors=True)  # the results it protected are on disk now
+    report.print_comparison(result.pop("_comparison"), result)
+    with job.timings.stage("logging"):
+        _log_to_mlflow(job.results_dir, job.cfg, job.checked)
+    result["timings"].update(job.timings.stages)  # the returned summary also times the logging
+    job.timings.meter.unwatch()
+    log.info("results: %s (torch threads: %d, from %s)", job.results_dir, job.runtime["threads"],
+             job.runtime["threads_from"])
+    return result
+
+
+def open_job(cfg: RunConfig) -> Job:
+    """Threads, every check that costs nothing, the model, and the results directory."""
+    runtime = apply_threads(cfg.runtime)  # once, before any torch work
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)  # per-request INFO lines drown the stage log
+    timings = Timings()
+    checked = preflight(cfg)
+    progress.current().plan([s.name for s in checked.slices])
+    cache = Cache(cfg.paths.cache_dir)
+    with timings.stage("load"):
+        loaded = models.load(cfg.model, cfg.paths.cache_dir)
+    timings.meter.watch(loaded.model)
+    quant.validate_for_model(loaded.model, cfg.quant)
+    placement.check_quantizable(loaded.model, quant.changes_weights(cfg.quant))  # device=auto with disk offload
+    key = run_key(cfg, loaded.identity)
+    results_dir = prepare_results_dir(cfg, key)
+    joblog.attach(results_dir)  # the command line's job.log (libraries' messages) lives with the results
+    return Job(cfg, runtime, timings, checked, cache, loaded, key, results_dir)
+
+
+def quantized_candidate(job: Job) -> Candidate:
+    """The scheme applied to the loaded model, in place (the reference's numbers are already stored)."""
+    report = quant.apply(job.loaded.model, job.cfg.quant, _quant_context(job.loaded, job.cfg, job.cache))
+    return Candidate(job.loaded, report, {})
+
+
+def external_candidate(job: Job) -> Candidate:
+    """An external checkpoint, loaded in the reference's place."""
+    loaded, report, params = load_candidate(job.loaded, job.cfg)
+    job.timings.meter.watch(loaded.model)
+    return Candidate(loaded, report, params)
+
+
+def gather_references(job: Job, found: dict[str, SliceReference],
+                      background: background_reference.Background | None
+                      ) -> tuple[dict[str, SliceReference], list[str]]:
+    """Every slice's reference, in slice order: those found so far, then those another process was
+    computing (waited for here); one frozen output head shared by all. Also the names of the slices
+    waited for here (summary.json's ``reference_deferred``)."""
+    missing = [s for s in job.checked.slices if s.name not in found]
+    late: dict[str, SliceReference] = {}
+    if missing:
+        # the child's thread count: a reference computed here after the child died matches the divergence stage
+        with job.timings.stage("reference_wait"), progress.side("reference"), \
+                background_reference.scoring_threads(background, job.runtime["threads"]):
+            late = deferred_references(job.loaded, missing, job.cfg, job.cache)
+    job.runtime.update(background_reference.collect(background, job.timings.meter))
+    computed_aside = background.slices if background is not None else ()
+    references = {}
+    for slice_ in job.checked.slices:
+        reference = found.get(slice_.name) or late[slice_.name]
+        if slice_.name in computed_aside:  # read from the cache, but computed for this job
+            reference = dataclasses.replace(reference, cached=False)
+        elif reference.cached:
+            progress.current().note("reference", slice_.name, "cached")
+        references[slice_.name] = reference
+    return share_heads(references), [s.name for s in missing]
+
+
+def write_results(job: Job, judged: Candidate, references: dict[str, SliceReference], evaluated: Evaluated,
+                  tokens: pd.DataFrame, started_at: float, deferred: list[str]) -> dict[str, Any]:
+    """Records first (a failure in the statistics never loses the evaluation), then the comparison,
+    the reports and summary.json, which marks the results complete."""
+    cfg, results_dir, timings = job.cfg, job.results_dir, job.timings
+    reference_records = pd.concat([r.records for r in references.values()], ignore_index=True)
+    not_evaluated = None
+    if cfg.eval.sequential:  # the statistics compare the items both answered; the rest are listed, not scored
+        answered = set(evaluated.records["item_id"])
+        not_evaluated = sequential.not_evaluated_frame(reference_records, answered)
+        reference_records = reference_records[reference_records["item_id"].isin(answered)].reset_index(drop=True)
+    items = summary.pair_items(reference_records, evaluated.records)
+    if evaluated.placement is not None:
+        items = items.merge(evaluated.placement, on="item_id", how="left")
+    with timings.stage("write"):
+        write_records(results_dir, cfg, items, tokens, judged.quant_report)
+        if not_evaluated is not None:
+            _write_parquet(not_evaluated, results_dir / "not_evaluated.parquet")
+    tokenizer = judged.loaded.tokenizer
+    comparison = summary.build(reference_records, evaluated.records, tokens, cfg.compare,
+                               list(cfg.eval.position_buckets),
+                               lambda text: tokenizer(text, add_special_tokens=False)["input_ids"])
+    capacity_ledger = capacity(judged.loaded, judged.quant_report, cfg)
+    result = summary_record(cfg, job.key, comparison, judged.quant_report, references, evaluated, timings,
+                            judged.loaded)
+    result["quant"].update(capacity_ledger.metrics())
+    result["reference_deferred"] = deferred  # read after evaluating: another job computed them
+    result["runtime"] = job.runtime
+    result["candidate"] = judged.params
+    if cfg.eval.sequential:
+        result["sequential"] = evaluated.sequential
+    long_generation = longgen.for_run(items, tokenizer)
+    if long_generation is not None:
+        result["long_generation"] = long_generation.summary
+    with timings.stage("write"):
+        write_analysis(results_dir, cfg, comparison, judged.quant_report, result, capacity_ledger, long_generation)
+    result["timings"].update(timings.stages)
+    result["resources"], result["throughput"] = timings.meter.resources(), timings.meter.throughput()
+    result["started_at"], result["ended_at"] = started_at, time.time()  # the MLflow run spans the job
+    atomic_write_json(results_dir / "summary.json", result)  # last: marks the results complete
+    return {**result, "_comparison": comparison}
+
+
+def preflight(cfg: RunConfig) -> Preflight:
+    """Every check that costs nothing, before anything expensive (bad input fails here)."""
+    check_cache_dir(cfg.paths.cache_dir)  # writable, with the locking the cache needs
+    slices = resolve(cfg.slices)
+    check_hub_for_registry(slices)
+    quant.validate_scheme(cfg.quant)
+    check_format(cfg.quant.calibration, cfg.model.chat_template, cfg.model.name)
+    check_backend(cfg)
+    sequential.check_config(cfg, slices)
+    models.check_available(cfg.model)
+    uri = tracking.resolve_uri(cfg.tracking.uri)
+    shared = sweep.shared_store_warning(uri, sweep.hydra_launcher()) if cfg.tracking.enabled else None
+    if shared:
+        log.warning("SHARED TRACKING STORE: %s", shared)
+    if cfg.eval.max_gen_toks is not None:
+        log.warning("GENERATION CAPPED: eval.max_gen_toks=%d cuts every reply at %d tokens (a smoke run: its "
+                    "accuracies are not the tasks' own; null restores them)", cfg.eval.max_gen_toks, cfg.eval.max_gen_toks)
+    problem = tracking.check_tracking(uri) if cfg.tracking.enabled else None
+    if problem:
+        log.warning("TRACKING UNAVAILABLE: %s", problem)
+    return Preflight(slices, uri, problem)
+
+
+def prepare_results_dir(cfg: RunConfig, key: str) -> Path:
+    """results/<run name>__<key>/, created and checked writable before any evaluation."""
+    root = Path(cfg.paths.results_dir)
+    safe = re.sub(r"[^A-Za-z0-9_.+-]+", "_", run_name(cfg).replace("/", "__"))
+    directory = root / f"{safe}__{key[:8]}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+        # Who this run belongs to, from the start: the gate's sweep= / model= filters read it before loading.
+        atomic_write_json(directory / "run.json", {"model": cfg.model.name, "scheme": cfg.quant.name,
+                                                   "sweep_id": cfg.tracking.tags.get(SWEEP_TAG)})
+    except OSError as exc:
+        raise ResultsDirError(f"cannot write results to {directory} ({exc.strerror}); set paths.results_dir to a "
+                              "writable directory") from None
+    return directory
+
+
+def evaluate_slices(loaded: models.LoadedModel, job: Job, references: dict[str, SliceReference]) -> Evaluated:
+    """The candidate through lm-eval, every item of every slice, resuming from the job's checkpoint."""
+    settings = eval_settings(job.cfg, tokenizer_dir(loaded))
+    lm = evaluate.make_lm(loaded.model, loaded.tokenizer, settings, checkpoint=job.cfg.candidate.path)
+    records, aggregates, restored, requests = [], {}, {}, {}
+    for slice_ in job.checked.slices:
+        checkpoint = job.checkpoint / slice_.name
+        restored[slice_.name] = evaluate.checkpoint_rows(checkpoint)
+        frame, agg = evaluate.evaluate_slice(lm, slice_, settings, checkpoint=checkpoint)
+        requests[slice_.name] = evaluate.checkpoint_rows(checkpoint)
+        records.append(frame)
+        aggregates.update(agg)
+    return Evaluated(pd.concat(records, ignore_index=True), aggregates, restored, requests)
+
+
+def evaluate_in_rounds(loaded: models.LoadedModel, job: Job, references: dict[str, SliceReference]) -> Evaluated:
+    """The candidate in sequential rounds, each slice until settled (:mod:`harness.evaluation.sequential`).
+
+    A round needs the slice's reference: slices whose reference is in ``references`` go first, and
+    one another process is computing is waited for right before its slice; those waited for are
+    returned in :attr:`Evaluated.waited` (``references`` is not changed).
+    """
+    cfg = job.cfg
+    settings = eval_settings(cfg, tokenizer_dir(loaded))
+    lm = evaluate.make_lm(loaded.model, loaded.tokenizer, settings, checkpoint=cfg.candidate.path)
+    rule = sequential.stop_rule(cfg, [s.name for s in job.checked.slices])
+    records, aggregates, restored, requests, stops, placements = [], {}, {}, {}, {}, []
+    waited: dict[str, SliceReference] = {}
+    for slice_ in sorted(job.checked.slices, key=lambda s: s.name not in references):
+        checkpoint = job.checkpoint / slice_.name
+        restored[slice_.name] = evaluate.checkpoint_rows(checkpoint)
+        reference = references.get(slice_.name)
+        if reference is None:
+            reference = waited[slice_.name] = deferred_references(job.loaded, [slice_], cfg, job.cache)[slice_.name]
+        frame, agg, stops[slice_.name], placed = sequential.evaluate_sequential(
+            lm, slice_, settings, checkpoint, reference.records, rule, cfg.eval.seed, cfg.eval.sequential_round_items)
+        placements.append(placed)
+        progress.current().note("quantized", slice_.name, sequential.items_line(stops[slice_.name]))
+        requests[slice_.name] = evaluate.checkpoint_rows(checkpoint)
+        records.append(frame)
+        aggregates.update(agg)
+    return Evaluated(pd.concat(records, ignore_index=True), aggregates, restored, requests,
+                     {s.name: stops[s.name] for s in job.checked.slices if s.name in stops},
+                     pd.concat(placements, ignore_index=True), waited)
+
+
+def summary_record(cfg: RunConfig, key: str, comparison: summary.Comparison, quant_report: quant.QuantReport,
+                   references: dict[str, SliceReference], evaluated: Evaluated, timings: Timings,
+                   loaded: models.LoadedModel) -> dict[str, Any]:
+    """The content of summary.json: identity, metrics, timings, quantization and bookkeeping."""
+    quant_summary = {**quant_report.summary(), **ledger.decode_floor_metrics(decode_floor(quant_report, cfg))}
+    return {
+        "run_key": key, "run_name": run_name(cfg), "model": cfg.model.name, "scheme": cfg.quant.name,
+        "method": cfg.quant.method, "slices": list(cfg.slices), "metrics": comparison.metrics(),
+        "timings": {**timings.stages, **{f"model_{k}": v for k, v in loaded.timings.items()}},
+        "quant": quant_summary, "reference_cached": {n: r.cached for n, r in references.items()},
+        "lm_eval_aggregates": {"reference": {k: v for r in references.values() for k, v in r.aggregates.items()},
+                               "quantized": evaluated.aggregates},
+        "machine": _machine(), "tags": dict(cfg.tracking.tags), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "checkpoint": {"restored_requests": evaluated.restored, "requests": evaluated.requests,
+                       "reference_restored_requests": {n: r.restored_requests for n, r in references.items()}},
+        **({"max_gen_toks": cfg.eval.max_gen_toks} if cfg.eval.max_gen_toks is not None else {}),
+    }
+
+
+def load_candidate(reference: models.LoadedModel,
+                   cfg: RunConfig) -> tuple[models.LoadedModel, quant.QuantReport, dict[str, Any]]:
+    """The external candidate in the reference's place, its scheme as a quant report and as parameters.
+
+    The reference's tokenizer stays (the candidate's was checked identical) and so does its
+    identity: the results are keyed by the config, which names the candidate.
+    """
+    loaded, scheme = candidate.load(cfg.candidate, cfg.model, cfg.paths.cache_dir, reference_model=reference.model,
+                                    reference_tokenizer=reference.tokenizer)
+    total = sum(p.numel() for p in reference.model.parameters())
+    quant_report = candidate.weight_report(reference.model, loaded.model, scheme, total)
+    quant_report.notes.extend(f"{k}={v}" for k, v in scheme.as_params().items())
+    return models.LoadedModel(model=loaded.model, tokenizer=reference.tokenizer, identity=reference.identity,
+                              timings={**reference.timings, **{f"candidate_{k}": v for k, v in loaded.timings.items()}}
+                              ), quant_report, scheme.as_params()
+
+
+def _quant_context(loaded: models.LoadedModel, cfg: RunConfig, cache: Cache) -> Any:
+    from harness.quant.calibration import CalibrationContext
+    return CalibrationContext(model_key=loaded.key, tokenizer=loaded.tokenizer, config=cfg.quant.calibration,
+                              device=devices.calibration_device(loaded.model, cfg.model.device), cache=cache,
+                              scheme=cfg.quant, chat_template=cfg.model.chat_template)
+
+
+def write_records(directory: Path, cfg: RunConfig, items: pd.DataFrame, tokens: pd.DataFrame,
+                  quant_report: quant.QuantReport) -> None:
+    """What was measured, before anything is computed from it: config, paired items, token rows, layers."""
+    config = config_dict(cfg)
+    atomic_write_json(directory / "config.json", config)
+    atomic_write_text(directory / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(config)))
+    _write_parquet(items, directory / "items.parquet")
+    _write_parquet(tokens, directory / "tokens.parquet")
+    _write_parquet(pd.DataFrame(quant_report.to_records()), directory / "quant_layers.parquet")
+
+
+def write_analysis(directory: Path, cfg: RunConfig, comparison: summary.Comparison, quant_report: quant.QuantReport,
+                   result: dict, capacity_ledger: ledger.Ledger,
+                   long_generation: longgen.LongGenReport | None = None) -> None:
+    """The statistics and reports; summary.json, which marks completion, is written last by the caller."""
+    _write_parquet(comparison.item_stats, directory / "item_stats.parquet")
+    _write_parquet(comparison.token_stats, directory / "token_stats.parquet")
+    _write_parquet(comparison.generation, directory / "generation.parquet")
+    decode_floor(quant_report, cfg).to_csv(directory / "decode_floor.csv", index=False)
+    kl_plot = report.plot_kl_by_position(comparison, directory / "kl_by_position.png",
+                                         title=f"{cfg.model.name} · {cfg.quant.name}: KL(ref‖quant) by position")
+    report.plot_sequence(result.get("sequential") or {}, directory / "sequence.png",
+                         title=f"{cfg.model.name} · {cfg.quant.name}: sequential evaluation")
+    markdown = report.markdown(comparison, result, kl_plot=kl_plot.name if kl_plot else None)
+    capacity_ledger.write_csv(directory / "ledger.csv")
+    markdown += "\n" + capacity_ledger.markdown()
+    if long_generation is not None:
+        _write_parquet(long_generation.items, directory / "long_generation.parquet")
+        _write_parquet(long_generation.curve, directory / "long_generation_survival.parquet")
+        longgen.plot_survival({cfg.quant.name: long_generation.curve}, directory / "long_generation_survival.png")
+        markdown += "\n" + long_generation.markdown() + "\n![survival](long_generation_survival.png)\n"
+    atomic_write_text(directory / "report.md", markdown)
+
+
+def decode_floor(quant_report: quant.QuantReport, cfg: RunConfig) -> pd.DataFrame:
+    """Batch-1 decode floor (weight bytes / bandwidth) of this model and of 8B/70B at its bits/weight."""
+    return ledger.decode_floor_table(quant_report, {g: ledger.GPU_BANDWIDTH[g] for g in ledger.DEFAULT_GPUS},
+                                     model_name=cfg.model.name)
+
+
+def capacity(loaded: models.LoadedModel, quant_report: quant.QuantReport, cfg: RunConfig) -> ledger.Ledger:
+    """What the scheme buys on each GPU of the ledger: KV tokens, batch, decode floor."""
+    return ledger.ledger_for_run(loaded.model, quant_report, cfg)
+
+
+def _write_parquet(frame: pd.DataFrame, path: Path) -> None:
+    tmp = path.with_suffix(".parquet.tmp")
+    frame.to_parquet(tmp, index=False)
+    os.replace(tmp, path)
+
+
+def _log_to_mlflow(results_dir: Path, cfg: RunConfig, checked: Preflight) -> None:
+    if not cfg.tracking.enabled:
+        return
+    if checked.tracking_problem:
+        log.warning("not logged to MLflow (%s). Later: python -m harness.sync %s", checked.tracking_problem,
+                    results_dir)
+        return
+    try:
+        run_id = tracking.log_results(results_dir, uri=checked.uri, experiment=cfg.tracking.experiment,
+                                      tags=cfg.tracking.tags)
+        log.info("MLflow run %s in %s (experiment %s)", run_id, checked.uri, cfg.tracking.experiment)
+    except Exception as exc:  # tracking must never lose a finished result
+        log.warning("MLflow logging failed (%s: %s); results are safe in %s. Later: python -m harness.sync %s",
+                    type(exc).__name__, exc, results_dir, results_dir)
+
+
+def _machine() -> dict[str, str]:
+    import platform
+    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpus": str(os.cpu_count())}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info

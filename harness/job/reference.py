@@ -1,0 +1,204 @@
+"""The reference stage: the unquantized model's per-item records and next-token distributions.
+
+Computed once per (model, slice, settings) and cached by :func:`harness.job.identity.reference_key`,
+so every scheme of a sweep compares against the same reference. An interrupted computation
+resumes from lm-eval's per-request checkpoint next to the cache entry.
+
+In a sweep, a job that finds another live job computing a reference it needs does not wait
+with an idle GPU: :func:`reference_unless_busy` returns None for that slice, the job quantizes
+and evaluates meanwhile, and :func:`deferred_references` then waits for the entry. The
+reference must never be computed with the quantized model (quantization is in place), so if
+the other job ended without finishing it, the unquantized model is loaded again and the
+reference computed here: the sweep still completes, at the cost of one extra load and, while
+the reference runs, both models in memory.
+
+(Not ``harness/reference.py``: a submodule of that name would shadow the public API's
+``harness.reference`` function once imported.)
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from harness.config import RunConfig
+from harness.divergence import scoring as divergence
+from harness.evaluation import evaluate
+from harness.evaluation.slices import Slice
+from harness.infra import locks
+from harness.infra.cache import Cache
+from harness.infra.locks import LockTimeout
+from harness.job.identity import (
+    divergence_texts,
+    eval_settings,
+    max_divergence_tokens,
+    reference_key,
+    served_format,
+    served_texts,
+    tokenizer_dir,
+)
+from harness.models import loading as models
+
+log = logging.getLogger("harness")
+
+
+@dataclass
+class SliceReference:
+    records: pd.DataFrame
+    aggregates: dict[str, float]
+    texts: list[divergence.ReferenceText]
+    cached: bool
+    restored_requests: int = 0  # requests read back from an interrupted attempt's checkpoint
+
+
+def compute_reference(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig, cache: Cache) -> SliceReference:
+    """The unquantized model's records and next-token reference for one slice, cached."""
+    key = reference_key(loaded, slice_, cfg)
+    with reference_lock(cache, key, cfg):
+        entry = cache.entry("reference", key)
+        cached = read_cached(loaded, slice_, cfg, cache)
+        if cached is not None:
+            return cached
+        log.info("reference for slice %s: computing (cache miss %s)", slice_.name, key)
+        progress = loaded.model.get_input_embeddings().register_forward_pre_hook(lambda *_: locks.progress())
+        try:
+            return _compute(loaded, slice_, cfg, cache, key, entry)
+        finally:
+            progress.remove()
+
+
+def reference_lock(cache: Cache, key: str, cfg: RunConfig, timeout: float | None = None) -> locks.OwnedLock:
+    """A reference entry's lock; it stops beating when its holder makes no progress for
+    ``runtime.reference_stall_s`` (a hung job), so a job waiting for it takes over."""
+    return cache.lock("reference", key, timeout=timeout, stall_s=cfg.runtime.reference_stall_s)
+
+
+def _compute(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig, cache: Cache, key: str,
+             entry: Path) -> SliceReference:
+    """The reference computed and stored (the caller holds its lock)."""
+    settings = eval_settings(cfg, tokenizer_dir(loaded))
+    lm = evaluate.make_lm(loaded.model, loaded.tokenizer, settings, checkpoint=cfg.model.path or None)
+    checkpoint = entry.with_name(f"{key}.checkpoint")  # per-request results of an interrupted attempt
+    restored = evaluate.checkpoint_rows(checkpoint)
+    records, aggregates = evaluate.evaluate_slice(lm, slice_, settings, checkpoint=checkpoint)
+    texts: list = [] if slice_.config.divergence_from_reference else divergence_texts(slice_, cfg, settings)
+    if served_format(slice_, cfg):  # the items as served: prompt as evaluated + this reference's reply
+        texts += served_texts(slice_, records, loaded.tokenizer)
+    scored = divergence.score_reference(loaded.model, loaded.tokenizer, texts,
+                                        max_tokens=max_divergence_tokens(slice_, cfg),
+                                        topk=cfg.eval.reference_topk, store=cfg.eval.reference_store)
+    with cache.writing("reference", key) as tmp:
+        records.to_parquet(tmp / "records.parquet")
+        pd.Series(aggregates, dtype=float).to_json(tmp / "aggregates.json")
+        save_reference_texts(tmp / "divergence.pt", scored, cache, loaded.key)
+    evaluate.drop_checkpoint(checkpoint)
+    return SliceReference(records, aggregates, scored, False, restored)
+
+
+def read_cached(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig, cache: Cache) -> SliceReference | None:
+    """The cached reference of a slice; None when it is missing or damaged (then moved aside, with a warning).
+
+    Call under the entry's lock. ``loaded`` only names the entry (a quantized model may be passed).
+    """
+    key = reference_key(loaded, slice_, cfg)
+    if not cache.usable("reference", key):
+        return None
+    entry = cache.entry("reference", key)
+    texts = load_reference_texts(entry / "divergence.pt", cache, loaded.key)
+    if texts is None:  # its model's frozen head was damaged: the entry is recomputed with it
+        return None
+    log.info("reference for slice %s: reused from cache (%s)", slice_.name, entry)
+    return SliceReference(pd.read_parquet(entry / "records.parquet"),
+                          pd.read_json(entry / "aggregates.json", typ="series").to_dict(), texts, True)
+
+
+def reference_unless_busy(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig,
+                          cache: Cache) -> SliceReference | None:
+    """:func:`compute_reference`, or None when another live job holds this reference's lock.
+
+    A free lock (or a stale one, broken with a warning) is taken and the reference computed or
+    read here, exactly as :func:`compute_reference` does; only a lock with a live owner defers.
+    """
+    key = reference_key(loaded, slice_, cfg)
+    lock = reference_lock(cache, key, cfg, timeout=0)  # one look: a live owner's lock raises at once
+    try:
+        lock.acquire()
+    except LockTimeout:
+        if cache.complete("reference", key):  # finished between the look and now
+            return compute_reference(loaded, slice_, cfg, cache)
+        log.info("reference for slice %s: another job is computing it; quantizing and evaluating meanwhile",
+                 slice_.name)
+        return None
+    try:
+        return compute_reference(loaded, slice_, cfg, cache)  # the lock is re-entrant within the process
+    finally:
+        lock.release()
+
+
+def deferred_references(quantized: models.LoadedModel, slices: list[Slice], cfg: RunConfig,
+                        cache: Cache) -> dict[str, SliceReference]:
+    """The references another job was computing, once ready; computed here if that job gave up.
+
+    ``quantized`` is only used to find and read the cache entries (its identity is the
+    unquantized model's). An entry still missing once its lock is free (the other job died or
+    failed) is computed, under the lock, with the unquantized model loaded again.
+    """
+    unquantized: models.LoadedModel | None = None
+    out = {}
+    for slice_ in slices:
+        key = reference_key(quantized, slice_, cfg)
+        with reference_lock(cache, key, cfg):  # waits for the other job (breaks its lock if it died or stalled)
+            cached = read_cached(quantized, slice_, cfg, cache)
+            if cached is not None:
+                out[slice_.name] = cached
+                continue
+            log.warning("reference for slice %s: the job computing it ended without finishing it (or its entry "
+                        "was damaged); loading the unquantized model again to compute it here", slice_.name)
+            if unquantized is None:
+                unquantized = models.load(cfg.model, cfg.paths.cache_dir)
+            out[slice_.name] = compute_reference(unquantized, slice_, cfg, cache)
+    return out
+
+
+def save_reference_texts(path: Path, texts: list[divergence.ReferenceText], cache: Cache, model_key: str) -> None:
+    """Save per-token references; the frozen output head is stored once per model, not per slice."""
+    head = next((t.head for t in texts if t.head is not None), None)
+    if head is not None:
+        with cache.lock("heads", model_key):
+            if not cache.usable("heads", model_key):
+                with cache.writing("heads", model_key) as tmp:
+                    torch.save(head, tmp / "head.pt")
+    torch.save([dataclasses.replace(t, head=None) for t in texts], path)
+
+
+def load_reference_texts(path: Path, cache: Cache, model_key: str) -> list[divergence.ReferenceText] | None:
+    """Per-token references saved by :func:`save_reference_texts`, with the model's head put back.
+
+    None when the head's entry is missing or damaged (moved aside): the reference is then recomputed.
+    """
+    texts = torch.load(path, weights_only=False)
+    if any(t.hidden is not None for t in texts):
+        with cache.lock("heads", model_key):
+            if not cache.usable("heads", model_key):
+                return None
+            head = torch.load(cache.entry("heads", model_key) / "head.pt", weights_only=False)
+        texts = [dataclasses.replace(t, head=head if t.hidden is not None else None) for t in texts]
+    return texts
+
+
+def share_heads(references: dict[str, SliceReference]) -> dict[str, SliceReference]:
+    """One frozen output head for every slice of a run (they all hold copies of the same model's head).
+
+    The comparison moves the frozen head to the device of the quantized model's head; shared, it is
+    moved (and held there) once per run instead of once per slice (~5 GB each at 8B, bf16).
+    """
+    head = next((t.head for r in references.values() for t in r.texts if t.head is not None), None)
+    if head is None:
+        return references
+    return {name: dataclasses.replace(ref, texts=[dataclasses.replace(t, head=head) if t.head is not None else t
+                                                  for t in ref.texts])
+            for name, ref in references.items()}

@@ -1,0 +1,52 @@
+"""Number formatting for every human-readable table: the run's report.md and terminal table
+(:mod:`harness.results.report`) and the comparison's terminal, Markdown and HTML renderings
+(:mod:`harness.compare.render`).
+
+One rule for a missing value everywhere: ``None``, NaN and ``pd.NA`` print as an en dash, so a
+table never shows ``nan`` and a reader sees at once which number was not measured.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pandas as pd
+
+__all__ = ["MISSING", "count", "delta_ci", "flips", "is_missing", "num", "pm"]
+
+MISSING = "–"
+
+
+def is_missing(value: Any) -> bool:
+    """True for ``None``, ``pd.NA`` and any float NaN (Python or NumPy)."""
+    if value is None or value is pd.NA:
+        return True
+    try:
+        return math.isnan(value)
+    except TypeError:
+        return False
+
+
+def num(value: Any, spec: str = ".3f") -> str:
+    """``format(value, spec)``, or :data:`MISSING` when there is no value."""
+    return MISSING if is_missing(value) else format(value, spec)
+
+
+def pm(mean: Any, se: Any, spec: str = ".4f") -> str:
+    """``mean ± se``; :data:`MISSING` alone when the mean is missing."""
+    return MISSING if is_missing(mean) else f"{num(mean, spec)} ± {num(se, spec)}"
+
+
+def delta_ci(delta: Any, low: Any, high: Any, spec: str = "+.3f") -> str:
+    """A signed difference with its interval: ``+0.012 [-0.004, +0.030]``."""
+    return f"{num(delta, spec)} [{num(low, spec)}, {num(high, spec)}]"
+
+
+def flips(right_to_wrong: Any, wrong_to_right: Any) -> str:
+    """Discordant pair counts as ``r→w / w→r``: ``9 / 1``."""
+    return f"{count(right_to_wrong)} / {count(wrong_to_right)}"
+
+
+def count(value: Any) -> str:
+    """A whole number (``12``), or :data:`MISSING`."""
+    return MISSING if is_missing(value) else str(int(value))

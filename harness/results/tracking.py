@@ -1,0 +1,441 @@
+"""MLflow logging, fed from a finished results directory (the source of truth).
+
+A run is logged only once its results are complete on disk, so a job killed mid-way
+never leaves a half-logged MLflow run, and a job whose tracking server was down is
+logged later by ``python -m harness.sync`` with the very same function. Logging is
+idempotent: a finished MLflow run tagged with the same run key is reused, never duplicated.
+
+What a reviewer sees in the MLflow UI (3.17): each run spans the job's own start and end
+(:func:`job_times`); each slice is a dataset input, so the Dataset column reads
+``math (<digest>)`` (:func:`slice_datasets`); the experiment is tagged for the classic runs
+view. MLflow 3.17's UI picks its GenAI or "Model training" view from a global switch (the
+``workflowType`` URL parameter, else the browser's last choice, GenAI by default), so the
+links logged here (:func:`experiment_url`) carry ``workflowType=machine_learning``.
+
+Where a reviewer lands, the run page, its description (:func:`run_description`, the
+``mlflow.note.content`` tag) holds the terminal table and, when the job was gated, the gate's
+outcome per slice; the experiment's (:data:`EXPERIMENT_DESCRIPTION`) says what a run is.
+
+A sweep's runs share the tag ``harness.sweep_id`` (see :mod:`harness.job.sweep`); there is no
+parent run, so every run stays a plain, comparable job and parallel jobs never race to
+create one. To group them: *Group by* -> ``harness.sweep_id`` in the runs table; to see one
+sweep: the link logged with each of its runs, or the filter ``tags.`harness.sweep_id` = '<id>'``.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import math
+import os
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
+
+from harness.errors import TrackingError  # noqa: F401  (raised by callers as tracking.TrackingError)
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+log = logging.getLogger(__name__)
+
+RUN_KEY_TAG = "harness.run_key"
+SWEEP_TAG = "harness.sweep_id"
+# MLflow 3 UI: which page an experiment opens on; this value is the classic runs table.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+CLASSIC_EXPERIMENT_KIND = "custom_model_development"
+NOTE_TAG = "mlflow.note.content"  # the description of a run or experiment in the UI (Markdown)
+MAX_NOTE_CHARS = 8000  # MLflow's limit on a run tag's value
+EXPERIMENT_DESCRIPTION = (
+    "Each run is one job of the quant-harness: a quantized model (the run's `scheme` tag) against its own "
+    "unquantized reference (`model`), on the same items of each slice (`slices`; the Dataset column gives each "
+    "slice's item digest). Open a run: its description holds the per-slice table of the terminal — accuracy of "
+    "both sides, the paired Δ with its 95% interval, right→wrong / wrong→right flips, McNemar p, the verdict, "
+    "KL and top-1 agreement — and, when the job was gated, the gate's pass / fail / inconclusive per slice. "
+    "Everything else is under Artifacts: report.md, the per-item and per-token records, the job's log. Runs of "
+    "one sweep share the tag `harness.sweep_id` (Group by it).")
+
+
+def resolve_uri(uri: str | None) -> str:
+    """Config value, else $MLFLOW_TRACKING_URI, else an SQLite file in the working directory."""
+    return uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
+def check_tracking(uri: str, timeout: float = 5.0) -> str | None:
+    """None when the store looks usable, else a message naming the problem and the fix."""
+    if uri.startswith(("http://", "https://")):
+        try:
+            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout) as response:
+                if response.status == 200:
+                    return None
+                return f"MLflow server {uri} answered HTTP {response.status} on /health"
+        except (urllib.error.URLError, OSError) as exc:
+            return (f"MLflow tracking server {uri} is unreachable ({exc}). Results stay in results/; "
+                    f"log them later with `python -m harness.sync <results dir>` once the server is up")
+    if uri.startswith("sqlite:///"):
+        directory = Path(uri[len("sqlite:///"):]).expanduser().resolve().parent
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            pass
+        if not os.access(directory, os.W_OK):
+            return f"cannot write the MLflow database in {directory}; set tracking.uri or MLFLOW_TRACKING_URI"
+    return None
+
+
+def _flatten(prefix: str, obj: Any, out: dict[str, str]) -> None:
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            _flatten(f"{prefix}.{key}" if prefix else str(key), value, out)
+    else:
+        out[prefix] = json.dumps(obj) if isinstance(obj, (list, tuple)) else str(obj)
+
+
+def flatten_config(config: dict) -> dict[str, str]:
+    out: dict[str, str] = {}
+    _flatten("", config, out)
+    return {k[:250]: v[:6000] for k, v in out.items()}
+
+
+def ensure_experiment(client: Any, name: str) -> str:
+    """The id of experiment ``name``, created when missing, marked for MLflow's classic run view.
+
+    MLflow 3's UI opens an experiment by its ``mlflow.experimentKind`` tag; without one it may
+    guess "GenAI apps & agents" and open the traces overview, where none of the harness's
+    runs, metrics or datasets show. An existing experiment without the tag gets it; one whose
+    kind someone chose (in the UI or by tag) is left alone.
+    """
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        return client.create_experiment(name, tags={EXPERIMENT_KIND_TAG: CLASSIC_EXPERIMENT_KIND,
+                                                    NOTE_TAG: EXPERIMENT_DESCRIPTION})
+    if EXPERIMENT_KIND_TAG not in exp.tags:
+        client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, CLASSIC_EXPERIMENT_KIND)
+    if NOTE_TAG not in exp.tags:  # a description someone wrote is theirs
+        client.set_experiment_tag(exp.experiment_id, NOTE_TAG, EXPERIMENT_DESCRIPTION)
+    return exp.experiment_id
+
+
+def _first_table(markdown: str) -> str:
+    """The first Markdown table of ``markdown`` (report.md's first is the terminal table)."""
+    lines = markdown.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("|")), None)
+    if start is None:
+        return ""
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return "\n".join(line.rstrip() for line in lines[start:end])
+
+
+def _cell(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def gate_markdown(gate: Mapping[str, Any]) -> str:
+    """gate.json as a headline and one row per slice and criterion."""
+    lines = [f"**Gate: {gate.get('outcome', '?')}** (exit code {gate.get('exit_code', '?')})", ""]
+    rows = [c for run in gate.get("runs", []) for c in run.get("criteria", [])]
+    if rows:
+        lines += ["| slice | criterion | outcome | why |", "|:--|:--|:--|:--|"]
+        lines += [f"| {_cell(c.get('slice', ''))} | {_cell(c.get('criterion', ''))} | {_cell(c.get('outcome', ''))} "
+                  f"| {_cell(c.get('message', ''))} |" for c in rows]
+    return "\n".join(lines)
+
+
+def run_description(result_dir: Path, summary: Mapping[str, Any]) -> str:
+    """The run page's description (Markdown): what was compared, the terminal table, the gate's outcome.
+
+    Read from the results directory (report.md, gate.json), so ``harness.results.sync`` writes the same
+    one later. Within MLflow's 8,000 characters: the gate's rows are dropped first, then the table's.
+    """
+    quant = summary.get("quant", {})
+    bits = quant.get("bits_per_weight")
+    head = (f"**{summary.get('model', '?')} · {summary.get('scheme', '?')}**"
+            + (f" ({float(bits):.3f} bits/weight)" if isinstance(bits, (int, float)) else "")
+            + f" vs the unquantized reference; run key `{summary.get('run_key', '')}`")
+    report = result_dir / "report.md"
+    table = _first_table(report.read_text()) if report.exists() else ""
+    gate_path = result_dir / "gate.json"
+    gate = gate_markdown(json.loads(gate_path.read_text())) if gate_path.exists() else ""
+    foot = "Details under Artifacts: report.md (sub-slices, generation, KL by position), job.log (every message)."
+    from harness.results.report import sequential_lines
+    stops = sequential_lines(dict(summary))  # a sequential run: where each slice stopped and why
+    if stops:
+        head += "\n\n" + "\n".join(f"- {line.strip()}" for line in stops)
+    parts = [head, table, gate, foot]
+    text = "\n\n".join(p for p in parts if p)
+    while len(text) > MAX_NOTE_CHARS and (gate or table):
+        if gate:
+            gate = "\n".join(gate.splitlines()[:-1]) if len(gate.splitlines()) > 3 else ""
+        else:
+            table = "\n".join(table.splitlines()[:-1]) if len(table.splitlines()) > 3 else ""
+        text = "\n\n".join(p for p in [head, table, gate, foot] if p)
+    return text[:MAX_NOTE_CHARS]
+
+
+# Stages of run.py's timings that end after ``finished_at`` is stamped; ``model_*`` entries
+# are sub-timings of the ``load`` stage (counted there).
+_AFTER_FINISH = ("write", "logging")
+
+
+def _epoch_seconds(value: Any) -> float | None:
+    """Epoch seconds from a number, a numeric string or an ISO-8601 time; None when unusable."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        text = str(value).strip()
+        try:
+            seconds = float(text)
+        except ValueError:
+            try:
+                stamp = datetime.datetime.fromisoformat(text)
+            except ValueError:
+                return None
+            if stamp.tzinfo is None:  # a naive time is the machine's local time, as time.strftime wrote it
+                stamp = stamp.astimezone()
+            seconds = stamp.timestamp()
+    return seconds if math.isfinite(seconds) and seconds > 0 else None
+
+
+def job_times(summary: Mapping[str, Any]) -> tuple[float | None, float | None]:
+    """(start, end) of the job in epoch seconds, read from its summary; None where unknown.
+
+    Preferred: ``started_at`` and ``ended_at`` (epoch seconds, or ISO-8601 strings), written by
+    the job itself. Older summaries have only ``finished_at`` (stamped just before the results
+    are written, one-second resolution) and the stage durations in ``timings``: the start is
+    ``finished_at`` less the stages that ran before it, the end ``finished_at`` plus ``write``.
+    A start after the end is discarded. MLflow falls back to the logging time for a None.
+    """
+    timings = {k: float(v) for k, v in (summary.get("timings") or {}).items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0}
+    before = sum(v for k, v in timings.items() if not k.startswith("model_") and k not in _AFTER_FINISH)
+    finished = _epoch_seconds(summary.get("finished_at"))
+    start = _epoch_seconds(summary.get("started_at"))
+    end = _epoch_seconds(summary.get("ended_at"))
+    if end is None and finished is not None:
+        end = finished + timings.get("write", 0.0)
+    if start is None and finished is not None and timings:
+        start = finished - before
+    if end is None and start is not None and timings:
+        end = start + before + timings.get("write", 0.0)
+    if start is not None and end is not None and start > end:
+        log.warning("summary's start time %.0f is after its end %.0f; logging the end only", start, end)
+        start = None
+    return start, end
+
+
+# Columns of items.parquet that say which items a slice holds (not how a model did on them).
+_ITEM_COLUMNS = ("item_id", "task", "sub_slice", "cluster", "target")
+
+
+def slice_digest(items: pd.DataFrame) -> str:
+    """What a slice evaluated, in 16 hex digits: SHA-256 of its sorted ``item_id<TAB>target`` lines.
+
+    Independent of row order and of the models' answers, so two runs on the same items show
+    the same digest in MLflow's Dataset column, and a changed item or answer key a new one.
+    """
+    import hashlib
+
+    targets = items["target"].astype(str) if "target" in items else [""] * len(items)
+    lines = sorted(f"{item}\t{target}" for item, target in zip(items["item_id"].astype(str), targets))
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+def slice_datasets(result_dir: Path, slices: list[str], artifact_uri: str) -> list[Any]:
+    """One MLflow dataset input per slice: name, :func:`slice_digest`, size, item schema.
+
+    Read from the results' ``items.parquet`` (its source points at the run's copy of it);
+    results without one (written before it existed) log no datasets, with a warning.
+    """
+    import pandas as pd
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+    path = result_dir / "items.parquet"
+    if not path.exists():
+        log.warning("%s has no items.parquet; its slices are not logged as MLflow datasets", result_dir)
+        return []
+    import pyarrow.parquet as pq
+
+    present = set(pq.read_schema(path).names)
+    columns = [c for c in _ITEM_COLUMNS if c in present]
+    items = pd.read_parquet(path, columns=columns + (["slice"] if "slice" in present else []))
+    inputs = []
+    for name in slices:
+        rows = items.loc[items["slice"] == name, columns] if "slice" in items else items.iloc[0:0]
+        if rows.empty:
+            log.warning("slice %s has no items in %s; not logged as an MLflow dataset", name, path)
+            continue
+        profile = {"num_rows": len(rows), "num_elements": int(rows.size)}
+        for column in ("task", "sub_slice", "cluster"):
+            if column in rows:
+                profile[f"num_{column}s"] = int(rows[column].nunique())
+        schema = {"mlflow_colspec": [{"type": "string", "name": c, "required": True} for c in columns]}
+        source = {"uri": f"{artifact_uri.rstrip('/')}/items.parquet", "filter": f"slice == '{name}'"}
+        dataset = Dataset(name=name, digest=slice_digest(rows), source_type="harness_results",
+                          source=json.dumps(source), schema=json.dumps(schema), profile=json.dumps(profile))
+        inputs.append(DatasetInput(dataset, tags=[InputTag(MLFLOW_DATASET_CONTEXT, "eval")]))
+    return inputs
+
+
+def log_tool_run(directory: Path, *, uri: str | None, experiment: str, kind: str, run_name: str,
+                 tags: Mapping[str, str], params: Mapping[str, Any], metrics: Mapping[str, float]) -> str | None:
+    """Log an auxiliary tool's finished output (``directory``) as one MLflow run tagged ``harness.kind``.
+
+    The files on disk are the result: an unreachable store or a logging failure is a warning, never an
+    error. Returns the run id, or None when nothing was logged.
+    """
+    resolved = resolve_uri(uri)
+    problem = check_tracking(resolved)
+    if problem:
+        log.warning("%s not logged to MLflow: %s", kind, problem)
+        return None
+    try:
+        import mlflow
+        from mlflow.tracking import MlflowClient
+
+        mlflow.set_tracking_uri(resolved)
+        experiment_id = ensure_experiment(MlflowClient(tracking_uri=resolved), experiment)
+        with mlflow.start_run(experiment_id=experiment_id, run_name=run_name,
+                              tags={"harness.kind": kind, **{k: str(v) for k, v in tags.items()}}) as run:
+            mlflow.log_params(dict(params))
+            mlflow.log_metrics({k: float(v) for k, v in metrics.items()})
+            mlflow.log_artifacts(str(directory))
+            return run.info.run_id
+    except Exception as exc:  # a finished result on disk must survive a tracking failure
+        log.warning("%s MLflow logging failed (%s: %s); results are in %s", kind, type(exc).__name__, exc, directory)
+        return None
+
+
+def experiment_url(uri: str, experiment_id: str, sweep_id: str | None = None) -> str:
+    """The runs table of an experiment in the MLflow UI, in its classic view (one sweep with ``sweep_id``).
+
+    For a store that is not a server (an SQLite file), the address ``mlflow ui
+    --backend-store-uri <uri>`` serves by default.
+    """
+    base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
+    query = {"workflowType": "machine_learning"}
+    if sweep_id:
+        query["searchFilter"] = f"tags.`{SWEEP_TAG}` = '{sweep_id}'"
+    return f"{base}/#/experiments/{experiment_id}/runs?{urllib.parse.urlencode(query, quote_via=urllib.parse.quote)}"
+
+
+def find_finished_run(client: Any, experiment_id: str, run_key: str, sweep_id: str | None = None) -> str | None:
+    """A finished run of this config; with ``sweep_id``, only one logged for that sweep."""
+    runs = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'",
+                              max_results=100)
+    for run in runs:
+        if run.info.status == "FINISHED" and (sweep_id is None or run.data.tags.get(SWEEP_TAG) == sweep_id):
+            return run.info.run_id
+    return None
+
+
+@contextlib.contextmanager
+def store_lock(uri: str) -> Iterator[None]:
+    """One writer at a time on an SQLite store shared by a sweep's parallel jobs.
+
+    MLflow creates an SQLite store's tables on first use, and two jobs doing it at once
+    fail (an alembic migration race); a tracking server serialises this itself.
+    """
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    from filelock import FileLock
+
+    path = Path(uri[len("sqlite:///"):]).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{path}.lock"):
+        yield
+
+
+def log_results(result_dir: str | os.PathLike, *, uri: str, experiment: str,
+                tags: Mapping[str, str] | None = None) -> str:
+    """Log one results directory to MLflow (see :func:`_log_results`); returns the run id."""
+    with store_lock(uri):
+        return _log_results(result_dir, uri=uri, experiment=experiment, tags=tags)
+
+
+def _log_results(result_dir: str | os.PathLike, *, uri: str, experiment: str,
+                 tags: Mapping[str, str] | None = None) -> str:
+    """Log one results directory to MLflow; returns the run id (existing or new).
+
+    ``tags`` override the tags saved with the results: a later sweep that reuses a finished
+    config passes its own ``harness.sweep_id`` and gets a run in its sweep (results logged
+    from the same directory, not recomputed). Within one sweep, a config is logged once.
+    The run carries the job's own start and end times (:func:`job_times`), not the moment
+    it was logged, so its duration is the job's.
+    """
+    from mlflow.entities import Metric, Param
+    from mlflow.tracking import MlflowClient
+    from mlflow.tracking.context.registry import resolve_tags
+
+    result_dir = Path(result_dir)
+    summary = json.loads((result_dir / "summary.json").read_text())
+    config = json.loads((result_dir / "config.json").read_text())
+    client = MlflowClient(tracking_uri=uri)
+    experiment_id = ensure_experiment(client, experiment)
+    tags = {RUN_KEY_TAG: summary["run_key"], "model": summary["model"], "scheme": summary["scheme"],
+            "slices": ",".join(summary["slices"]), "method": summary.get("method", ""),
+            **{k: str(v) for k, v in summary.get("tags", {}).items()},
+            **{k: str(v) for k, v in (tags or {}).items()}}
+    existing = find_finished_run(client, experiment_id, summary["run_key"], tags.get(SWEEP_TAG))
+    if existing:
+        log.info("MLflow already has finished run %s for this config; not logging twice", existing)
+        return existing
+    started, ended = job_times(summary)
+    end_ms = None if ended is None else int(round(ended * 1000))
+    start_ms = end_ms if started is None else int(round(started * 1000))  # unknown start: at least the date
+    run = client.create_run(experiment_id, start_time=start_ms, run_name=summary["run_name"],
+                            tags=resolve_tags({**tags, NOTE_TAG: run_description(result_dir, summary)}))
+    run_id = run.info.run_id
+    try:
+        params = [Param(k, v) for k, v in flatten_config(config).items()]
+        # an external candidate's scheme as read from its checkpoint (bits, groups, format, kept)
+        described = {f"{k}.described": str(v)[:500] for k, v in summary.get("candidate", {}).items()}
+        params += [Param(k, v) for k, v in described.items()]
+        metrics = {k: float(v) for k, v in summary["metrics"].items()}
+        metrics.update({f"time/{k}": float(v) for k, v in summary.get("timings", {}).items()})
+        metrics.update({f"quant/{k}": float(v) for k, v in summary.get("quant", {}).items()
+                        if isinstance(v, (int, float)) and abs(float(v)) != float("inf")})
+        metrics.update(flat_metrics(summary))  # peak memory and tokens/s per stage
+        stamp = end_ms if end_ms is not None else int(time.time() * 1000)
+        rows = []
+        for name, record in (summary.get("sequential") or {}).items():  # eval.sequential: the stop and the path
+            metrics.update({f"{name}/sequential_{key}": float(record[key])
+                            for key in ("items_used", "items_total", "clusters_used", "rounds_used")})
+            rows += [Metric(f"{name}/sequence_{key}", float(point[key]), stamp, int(point["items"]))
+                     for point in record["trajectory"] for key in ("delta", "lower", "upper")]  # step = items used
+        rows += [Metric(k, v, stamp, 0) for k, v in metrics.items()]
+        for begin in range(0, len(params), 100):
+            client.log_batch(run_id, params=params[begin:begin + 100])
+        for begin in range(0, len(rows), 1000):
+            client.log_batch(run_id, metrics=rows[begin:begin + 1000])
+        client.log_inputs(run_id, datasets=slice_datasets(result_dir, list(summary["slices"]),
+                                                          run.info.artifact_uri))
+        client.log_artifacts(run_id, str(result_dir))
+    except BaseException:
+        client.set_terminated(run_id, "FAILED")
+        raise
+    client.set_terminated(run_id, "FINISHED", end_time=end_ms)
+    where = "" if uri.startswith(("http://", "https://")) else f" (after `mlflow ui --backend-store-uri {uri}`)"
+    log.info("MLflow runs table%s: %s", where, experiment_url(uri, experiment_id, tags.get(SWEEP_TAG)))
+    return run_id
+
+
+def flat_metrics(summary: dict[str, Any]) -> dict[str, float]:
+    """The numbers of ``resources`` and ``throughput`` as MLflow metric names (``resources/...``, ``throughput/...``)."""
+    out: dict[str, float] = {}
+    res = summary.get("resources") or {}
+    if isinstance(res.get("host_rss_peak_gb"), (int, float)):
+        out["resources/host_rss_peak_gb"] = float(res["host_rss_peak_gb"])
+    for stage, value in (res.get("cuda_peak_gb") or {}).items():
+        out[f"resources/cuda_peak_gb/{stage}"] = float(value)
+    for stage, values in (summary.get("throughput") or {}).items():
+        for key, value in values.items():
+            out[f"throughput/{stage}/{key}"] = float(value)
+    return out

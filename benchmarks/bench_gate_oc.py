@@ -20,6 +20,14 @@ before the effective number of clusters); "old" the rule before it (a t statisti
 1/n, against t_{G-1}: a Wald test). The least favourable configuration of the all-slices ship
 decision is simulated too: one slice at Δ = -m, four at Δ = +5 pt with 1,000 items.
 
+``--strata`` (issue 37; ``docs/explanation/strata.md``): slices whose fixed strata differ in reference
+accuracy (0.1 .. 0.9) with flips spread or concentrated in a few strata, with independent items or
+random clusters inside the strata, and random cells misdeclared as strata; four candidate stratified
+statistics against today's rule (the cells taken as clusters), each with and without the guard on
+random clusters; ``--sequential-reps`` adds the stratified spending test's false-pass rate.
+``python benchmarks/bench_gate_oc.py --strata --reps 2000 --sequential-reps 300`` (~3 min for the grid
+on an idle 2-core VM, 11 min at load 6-9; the sequential part ~0.3 s per data set).
+
 The data. Items are split into G clusters of (near-)equal size. Each data set draws per cluster
 a reference accuracy, a loss rate (right -> wrong) and a gain rate (wrong -> right) from Beta
 distributions with the design's means and intra-cluster correlation ρ (fixed when ρ = 0), then
@@ -44,7 +52,9 @@ import numpy as np
 from scipy import stats as sps
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from harness.stats.score import effective_clusters, score_z  # noqa: E402
+from harness.stats.score import effective_clusters, restricted_loss, score_z, stratified_z  # noqa: E402
+from harness.stats import spending_test  # noqa: E402
+from harness.stats.strata import design  # noqa: E402
 
 ALPHA = 0.05
 SUB_SCORES = 4  # sub-scores averaged into one partial-credit item
@@ -195,6 +205,264 @@ def ship_least_favourable(rng: np.random.Generator, reps: int) -> dict:
             "margin": margin, "ship_rate": float(passes.mean()), "reps": reps}
 
 
+# --- Stratified designs (issue 37): strata the slice enumerates, clusters drawn at random inside them ---------------
+# (n, margin) of the stratified grid: the default job's math slice (96 items), a full-size slice, a large one.
+STRATA_SIZES = [(96, 0.05), (300, 0.05), (1000, 0.02)]
+STRATA_COUNTS = [4, 12]  # H: strata; reference accuracy spread evenly over 0.1 .. 0.9 across them
+# Inside the strata: every item its own cluster, or 4 clusters per stratum with intra-cluster correlation ρ.
+STRATA_INSIDE = [("items", 0.0), (4, 0.05), (4, 0.2), (5, 0.05), (5, 0.2)]
+STRATA_FLIPS = ["spread", "concentrated"]  # concentrated: every flip in the top quarter of strata by accuracy
+STRATA_PATTERNS = [("one-way", 0.0), ("both", 0.1)]
+MISDECLARED = [(12, 0.05), (12, 0.2), (30, 0.05)]  # (cells, ρ): random clusters declared as strata
+
+
+def stratum_rates(p_refs: np.ndarray, flipping: np.ndarray, delta: float, pattern: str,
+                  flip_rate: float) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per stratum (loss rate given ref right, gain rate given ref wrong): nonzero only in ``flipping``
+    strata, equal across them, with expected Δ = ``delta`` and overall flip rate ``flip_rate`` (equal
+    stratum sizes); None if infeasible."""
+    weights = np.full(p_refs.size, 1 / p_refs.size) * flipping
+    right, wrong = float(np.sum(weights * p_refs)), float(np.sum(weights * (1 - p_refs)))
+    if pattern == "one-way":
+        if delta > 0:
+            return None
+        loss, gain = -delta / right, 0.0
+    else:
+        if flip_rate < abs(delta):
+            return None
+        loss, gain = (flip_rate - delta) / 2 / right, (flip_rate + delta) / 2 / wrong
+    if loss > 1 or gain > 1:
+        return None
+    return np.where(flipping, loss, 0.0), np.where(flipping, gain, 0.0)
+
+
+def simulate_strata(rng: np.random.Generator, reps: int, n: int, strata: int, inside: int | str, rho: float,
+                    p_refs: np.ndarray, loss: np.ndarray, gain: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(reps, n) differences of 0/1 scores, the items' cluster ids and stratum ids. Strata are fixed
+    (equal sizes, item i in stratum i mod H); inside a stratum ``inside`` clusters draw their
+    accuracy and flip rates around the stratum's (Beta, intra-cluster correlation ρ), or every item
+    is its own cluster ("items")."""
+    stratum = np.arange(n) % strata
+    if inside == "items":
+        codes = np.arange(n)
+        p, lam_loss, lam_gain = p_refs[stratum], loss[stratum], gain[stratum]
+    else:
+        codes = stratum * inside + (np.arange(n) // strata) % inside
+        cells = codes.max() + 1
+        cell_stratum = np.arange(cells) // inside
+
+        def draw(means: np.ndarray) -> np.ndarray:
+            out = np.empty((reps, cells))
+            for h in range(strata):
+                out[:, cell_stratum == h] = _beta(rng, float(means[h]), rho, (reps, inside))
+            return out[:, codes]
+
+        p, lam_loss, lam_gain = draw(p_refs), draw(loss), draw(gain)
+    ref = rng.random((reps, n)) < p
+    flip_u = rng.random((reps, n))
+    quant = np.where(ref, flip_u >= lam_loss, flip_u < lam_gain)
+    return quant.astype(float) - ref.astype(float), codes, stratum
+
+
+def stratified_decisions(diffs: np.ndarray, codes: np.ndarray, strata: np.ndarray, margin: float,
+                         slices: int = 5) -> dict[str, np.ndarray]:
+    """Per data set, pass (and the new rule's fail) of the candidate statistics with the declared strata and
+    clusters: "new" (``harness.stats.score.stratified_z``: null variance at δ_h = Δ̂_h + δ - Δ̂, scaled by
+    (n - 1)/(n - H)); "nocorr" (the same without the scaling); "common" (the null variance at δ_h = δ in
+    every stratum, the Miettinen–Nurminen way); "wald" (the observed within-stratum variance). All use the
+    clusters' design effect and degrees of freedom of ``harness.stats.strata``."""
+    n = diffs.shape[1]
+    count = int(strata.max()) + 1
+    n_clusters = int(codes.max()) + 1
+    s_ind, c_ind = _indicator(strata, count), _indicator(codes, n_clusters)
+    sizes = s_ind.sum(axis=0)
+    gains, losses = np.clip(diffs, 0, None) @ s_ind, np.clip(-diffs, 0, None) @ s_ind
+    resid = diffs - ((diffs @ s_ind) / sizes) @ s_ind.T
+    resid_sums = resid @ c_ind
+    components = design(diffs[0], codes, strata).components
+    free = n_clusters - components
+    cr = n_clusters / free * (resid_sums**2).sum(axis=1)  # of the sum
+    iid = (resid**2).sum(axis=1) * n / (n - count)
+    deff = np.where(iid > 0, np.maximum(cr / np.where(iid > 0, iid, 1), 1), 1)
+    dof = np.where(deff > 1 + 1e-9, np.minimum(effective_clusters(resid_sums), free), free)
+    z = stratified_z(-margin, gains, losses, sizes, deff)
+    correction = (n - 1) / (n - count)
+    delta = -margin
+    common = sizes * (2 * restricted_loss(delta, gains, losses, sizes) + delta * (1 - delta))
+    numerator = gains.sum(axis=1) - losses.sum(axis=1) - n * delta
+    z_common = numerator / np.sqrt(np.maximum(common.sum(axis=1) * correction * deff, 1e-300))
+    z_wald = numerator / np.sqrt(np.maximum(iid * deff, 1.0))  # iid floored at one item's worth, as the old SE
+    critical = sps.t.ppf(1 - ALPHA, dof)
+    return {"new_pass": z > critical, "new_fail": z < -sps.t.ppf(1 - ALPHA / slices, dof),
+            "nocorr_pass": z * math.sqrt(correction) > critical, "common_pass": z_common > critical,
+            "wald_pass": z_wald > critical}
+
+
+def strata_grid(quick: bool):
+    sizes = STRATA_SIZES[:1] + STRATA_SIZES[-1:] if quick else STRATA_SIZES
+    for (n, margin), count, (inside, rho), flips, (pattern, flip_rate) in itertools.product(
+            sizes, STRATA_COUNTS, STRATA_INSIDE, STRATA_FLIPS, STRATA_PATTERNS):
+        if inside != "items" and n // (count * inside) < 2:
+            continue
+        yield {"kind": "declared", "n": n, "margin": margin, "strata": count, "inside": inside, "rho": rho,
+               "flips": flips, "pattern": pattern, "flip_rate": flip_rate}
+    for (n, margin), (cells, rho), (pattern, flip_rate) in itertools.product(sizes, MISDECLARED, STRATA_PATTERNS):
+        if n // cells < 2:
+            continue
+        yield {"kind": "misdeclared", "n": n, "margin": margin, "strata": cells, "inside": "items", "rho": rho,
+               "flips": "random cells", "pattern": pattern, "flip_rate": flip_rate}
+
+
+def run_strata_row(rng: np.random.Generator, design_row: dict, reps: int) -> dict | None:
+    """One stratified design: false pass at Δ = -m (``reps`` data sets), power at -m/2 and 0 (half as many),
+    for the candidates of ``stratified_decisions`` and today's rule (the cells taken as clusters, ``decisions``)."""
+    row = dict(design_row)
+    n, margin, count = design_row["n"], design_row["margin"], design_row["strata"]
+    p_refs = np.linspace(0.1, 0.9, count)
+    top = np.argsort(p_refs)[::-1][: max(1, count // 4)]
+    flipping = np.ones(count, bool) if design_row["flips"] != "concentrated" else np.isin(np.arange(count), top)
+    for name, delta in (("at_margin", -margin), ("half", -margin / 2), ("zero", 0.0)):
+        size = reps if name == "at_margin" else max(1, reps // 2)
+        if design_row["kind"] == "misdeclared":  # the cells are random clusters (bench's original simulate)
+            r = rates(0.5, delta, design_row["pattern"], design_row["flip_rate"])
+            if r is None:
+                return None
+            diffs, cells = simulate(rng, size, n, count, design_row["rho"], 0.5, *r, False)
+            codes, strata, cell_codes = np.arange(n), cells, cells
+        else:
+            r = stratum_rates(p_refs, flipping, delta, design_row["pattern"], design_row["flip_rate"])
+            if r is None:
+                return None
+            diffs, codes, strata = simulate_strata(rng, size, n, count, design_row["inside"], design_row["rho"],
+                                                   p_refs, *r)
+            cell_codes = strata if design_row["inside"] == "items" else codes  # today: the finest cell is the cluster
+        cells_count = int(cell_codes.max()) + 1
+        new = stratified_decisions(diffs, codes, strata, margin)
+        today = decisions(diffs, cell_codes, cells_count, margin)["new_pass"]
+        key = {"at_margin": "false_pass", "half": "power_half", "zero": "power_zero"}[name]
+        for rule in ("new", "nocorr", "common", "wald"):
+            row[f"{key}_{rule}"] = float(new[f"{rule}_pass"].mean())
+        row[f"{key}_today"] = float(today.mean())
+        row[f"{key}_today_guard"] = float(today.mean()) if cells_count >= 20 else 0.0  # gate.min_clusters_pass
+        # The guard after issue 37 counts random clusters, not strata: G - K + 1 (K: components of the
+        # cluster-stratum graph; G without strata), and only when clusters hold several items.
+        clusters = int(codes.max()) + 1
+        within = clusters - design(diffs[0], codes, strata).components + 1
+        row[f"{key}_new_guard"] = float(new["new_pass"].mean()) if clusters == n or within >= 20 else 0.0
+        if name == "at_margin":
+            row["false_fail_new"] = float(new["new_fail"].mean())
+    return row
+
+
+# Sequential (group-sequential spending test, harness.stats.spending_test) on stratified slices at Δ = -m: its
+# false-pass rate must stay <= α (every item its own cluster; the fail side Bonferroni over 5 slices).
+SEQUENTIAL_DESIGNS = [(96, 0.05, 4, "spread", "both", 0.1), (300, 0.05, 12, "concentrated", "one-way", 0.0)]
+
+
+def strata_sequential(rng: np.random.Generator, reps: int) -> list[dict]:
+    """False pass of the stratified spending test (and of it without strata) at Δ = -m, ``reps`` data sets each."""
+    out = []
+    for n, margin, count, flips, pattern, flip_rate in SEQUENTIAL_DESIGNS:
+        p_refs = np.linspace(0.1, 0.9, count)
+        top = np.argsort(p_refs)[::-1][: max(1, count // 4)]
+        flipping = np.ones(count, bool) if flips != "concentrated" else np.isin(np.arange(count), top)
+        diffs, codes, strata = simulate_strata(rng, reps, n, count, "items", 0.0, p_refs,
+                                               *stratum_rates(p_refs, flipping, -margin, pattern, flip_rate))
+        seeds = rng.integers(0, 1 << 31, reps)
+        stratified = [spending_test(d, codes, margin, family=5, seed=int(k), strata=strata).state == "pass"
+                      for d, k in zip(diffs, seeds)]
+        plain = [spending_test(d, codes, margin, family=5, seed=int(k)).state == "pass" for d, k in zip(diffs, seeds)]
+        out.append({"n": n, "margin": margin, "strata": count, "flips": flips, "pattern": pattern,
+                    "flip_rate": flip_rate, "reps": reps, "false_pass_stratified": float(np.mean(stratified)),
+                    "false_pass_unstratified": float(np.mean(plain))})
+        print(out[-1], flush=True)
+    return out
+
+
+def strata_main(args: argparse.Namespace) -> int:
+    rng = np.random.default_rng(args.seed)
+    start = time.perf_counter()
+    rows = [row for d in strata_grid(args.quick) if (row := run_strata_row(rng, d, args.reps)) is not None]
+    sequential = strata_sequential(rng, args.sequential_reps) if args.sequential_reps else []
+    mc_error = math.sqrt(ALPHA * (1 - ALPHA) / args.reps)
+    declared = [r for r in rows if r["kind"] == "declared"]
+    summary = {"designs": len(rows)}
+    for rule in ("new", "new_guard", "nocorr", "common", "wald", "today", "today_guard"):
+        worst = max(declared, key=lambda r: r[f"false_pass_{rule}"])
+        summary[rule] = {"max_false_pass_declared": worst[f"false_pass_{rule}"],
+                         "rows_above_alpha_plus_2se": sum(r[f"false_pass_{rule}"] > ALPHA + 2 * mc_error for r in declared),
+                         "rows_above_alpha_plus_3se": sum(r[f"false_pass_{rule}"] > ALPHA + 3 * mc_error for r in declared),
+                         "median_power_zero": float(np.median([r[f"power_zero_{rule}"] for r in declared])),
+                         "median_power_half": float(np.median([r[f"power_half_{rule}"] for r in declared]))}
+    result = {"command": "python benchmarks/bench_gate_oc.py " + " ".join(sys.argv[1:]), "alpha": ALPHA,
+              "reps": args.reps, "mc_se_at_alpha": mc_error, "rows": rows, "summary": summary,
+              "sequential": sequential,
+              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load": os.getloadavg()},
+              "seconds": round(time.perf_counter() - start, 1)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"{len(rows)} stratified designs x {args.reps} reps in {result['seconds']} s; MC SE at alpha {mc_error:.4f}")
+    for rule, s in summary.items():
+        if rule != "designs":
+            print(rule, s)
+    return 0
+
+
+def _guarded(r: dict) -> bool:
+    """Whether the gate's guard on random clusters (G - K + 1 >= 20 when clusters hold several items) admits a pass."""
+    if r["kind"] == "misdeclared" or r["inside"] == "items":
+        return True
+    return r["strata"] * r["inside"] - r["strata"] + 1 >= 20
+
+
+def strata_markdown(result: dict) -> str:
+    """Tables of a ``--strata`` results file: candidates, new against today per design, misdeclared, sequential."""
+    rows, se, alpha = result["rows"], result["mc_se_at_alpha"], result["alpha"]
+    declared = [r for r in rows if r["kind"] == "declared"]
+    admitted = [r for r in declared if _guarded(r)]
+    both = [r for r in admitted if r["pattern"] == "both"]
+    names = {"new": "chosen: V_h at Δ̂_h + (δ − Δ̂), times (n − 1)/(n − H)", "nocorr": "the same without (n − 1)/(n − H)",
+             "common": "V_h at a common δ_h = δ", "wald": "observed within-stratum variance (Wald)"}
+    lines = [f"{result['reps']} data sets per design at Δ = −m ({result['reps'] // 2} at −m/2 and 0); α = {alpha}, "
+             f"Monte-Carlo SE {se:.4f}; {len(declared)} correctly declared designs, {len(admitted)} of them admitted by "
+             "the guard on random clusters; power: median over the admitted designs with flips both ways.", "",
+             "| candidate | max false pass | designs > α + 2 SE (all / admitted) | power Δ = 0 | power Δ = −m/2 |",
+             "|---|---:|---:|---:|---:|"]
+    for rule, label in names.items():
+        key = f"false_pass_{rule}"
+        lines.append(f"| {label} | {max(r[key] for r in declared):.3f} | "
+                     f"{sum(r[key] > alpha + 2 * se for r in declared)} / {sum(r[key] > alpha + 2 * se for r in admitted)} | "
+                     f"{float(np.median([r[f'power_zero_{rule}'] for r in both])):.2f} | "
+                     f"{float(np.median([r[f'power_half_{rule}'] for r in both])):.2f} |")
+    lines += ["", "CANDIDATES_END", "",
+              "| n, m | H | inside the strata | flips | pattern | false pass new (today) | power Δ=0 new (today) | "
+              "power Δ=−m/2 new (today) |", "|---|---:|---|---|---|---:|---:|---:|"]
+    refused = [r for r in declared if not _guarded(r) and r["strata"] * r["inside"] < 20]
+    for r in declared:
+        if r in refused:  # both guards refuse every pass: nothing to show
+            continue
+        inside = "items" if r["inside"] == "items" else f"{r['inside']} clusters, ρ {r['rho']:g}"
+        pattern = r["pattern"] if r["pattern"] == "one-way" else f"both {100 * r['flip_rate']:g} %"
+        cells = [f"{r[f'{k}_new_guard']:.3f} ({r[f'{k}_today_guard']:.3f})" for k in ("false_pass", "power_zero", "power_half")]
+        lines.append(f"| {r['n']}, {100 * r['margin']:g} pt | {r['strata']} | {inside} | {r['flips']} | {pattern} | "
+                     + " | ".join(cells) + " |")
+    lines += ["", f"Not shown: the {len(refused)} designs of 4 strata x 4 clusters (16 random clusters), where both rules "
+              "refuse every pass (the guard).", "", "OC_END", "", "| n, m | random cells | ρ | pattern | false pass declared as strata | declared as clusters (today, no guard) |",
+              "|---|---:|---:|---|---:|---:|"]
+    for r in rows:
+        if r["kind"] == "misdeclared":
+            pattern = r["pattern"] if r["pattern"] == "one-way" else f"both {100 * r['flip_rate']:g} %"
+            lines.append(f"| {r['n']}, {100 * r['margin']:g} pt | {r['strata']} | {r['rho']:g} | {pattern} | "
+                         f"{r['false_pass_new']:.3f} | {r['false_pass_today']:.3f} |")
+    lines += ["", "MISDECLARED_END", "", "| n, m | H | flips | pattern | false pass stratified | unstratified |",
+              "|---|---:|---|---|---:|---:|"]
+    for r in result.get("sequential", []):
+        pattern = r["pattern"] if r["pattern"] == "one-way" else f"both {100 * r['flip_rate']:g} %"
+        lines.append(f"| {r['n']}, {100 * r['margin']:g} pt | {r['strata']} | {r['flips']} | {pattern} | "
+                     f"{r['false_pass_stratified']:.3f} | {r['false_pass_unstratified']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=2000)
@@ -202,10 +470,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a smaller grid")
     parser.add_argument("--out", default="benchmarks/results/gate_oc.json")
     parser.add_argument("--table", metavar="JSON", help="print the README tables of a results file and exit")
+    parser.add_argument("--sequential-reps", type=int, default=0,
+                        help="with --strata: data sets per design of the stratified spending test (slow: ~0.3 s each)")
+    parser.add_argument("--strata", action="store_true",
+                        help="the stratified designs only (docs/explanation/strata.md); default out gate_oc_strata.json")
     args = parser.parse_args(argv)
     if args.table:
-        print(markdown(json.loads(Path(args.table).read_text())), end="")
+        loaded = json.loads(Path(args.table).read_text())
+        print((strata_markdown if loaded["rows"] and "kind" in loaded["rows"][0] else markdown)(loaded), end="")
         return 0
+    if args.strata:
+        if args.out == parser.get_default("out"):
+            args.out = "benchmarks/results/gate_oc_strata.json"
+        return strata_main(args)
     rng = np.random.default_rng(args.seed)
     start = time.perf_counter()
     rows = [row for design in grid(args.quick) if (row := run_row(rng, design, args.reps)) is not None]

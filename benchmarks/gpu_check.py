@@ -31,6 +31,18 @@ and writes every measurement to ``out`` (JSON). Exit status 1 when any check FAI
   ``use_fast_accum=True`` (Hopper's reduced-precision FP8 accumulation) reported beside it. Then a
   2-layer model of the shape: KL(real ‖ simulated) on 4 × 512 random tokens (FAIL unless under a
   tenth of the scheme's own KL(bf16 ‖ real)).
+- ``moe``: a random Qwen3-30B-A3B-shaped mixture of experts (the ledger's ``qwen3_30b_a3b`` entry in
+  conf/ledger/architectures.yaml: 2048 wide, 128 experts of width 768, 8 per token) in bf16, ``moe_layers``
+  of its 48 layers (default 8, about 5.6e9 parameters and 11 GB: the full depth, 61 GB, fits an H200 even
+  with the RTN copies of the experts, but building and quantizing it takes most of the budget, and
+  the per-layer numbers do not change with depth; ``moe_layers=48`` runs it whole). ``build``: its
+  parameters against the ledger's count for the same shapes. ``quantize``: ``harness.quantize`` with
+  int4_g128, experts included (FAIL if the coverage account leaves any weight uncovered, quantizes no
+  expert, or an expert's weights are unchanged), and KL(bf16 ‖ int4) on 2 × 128 random tokens (FAIL
+  unless finite and > 0). ``decode``: batch-1 greedy decode of the quantized model, tokens/s against
+  the ledger's batch-1 floor (active parameters ÷ HBM bandwidth: bf16 bytes, which the simulated model
+  reads; the deployed int4 floor beside it). Eager transformers MoE decode is launch-bound, so the ratio
+  is reported (INFO), not judged.
 - ``e2e``: the whole harness on ``tiny_random`` in bf16 on CUDA: RTN int4, GPTQ with
   ``model.device=cuda`` and with ``cuda:0`` (FAIL unless both run and agree exactly), an FP8 KV
   cache, and the null scheme (FAIL unless KL is exactly 0).
@@ -63,6 +75,10 @@ LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_key_value_heads=8, vocab_size=128256)
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=1024)
+MOE_ENTRY = "qwen3_30b_a3b"  # conf/ledger/architectures.yaml
+# The dry run's shrink of it: int4_g128's groups still divide every input (hidden and expert width 128).
+TINY_MOE = dict(layers=2, hidden_size=128, intermediate_size=256, heads=4, kv_heads=2, head_dim=32, vocab_size=1024,
+                num_experts=8, experts_per_token=2, moe_intermediate_size=128)
 FORMATS = {"int4_g128": dict(format="int", bits=4, granularity="group", group_size=128),
            "int4_g128_asym": dict(format="int", bits=4, symmetric=False, granularity="group", group_size=128),
            "int8_channel": dict(format="int", bits=8, granularity="channel"),
@@ -82,6 +98,8 @@ class Options:
     prefill_tokens: int = field(default=2048, metadata={"help": "tokens of the 8B prefill forward"})
     decode_tokens: int = field(default=64, metadata={"help": "tokens of the 8B batch-1 decode"})
     schemes: list[str] = field(default_factory=list, metadata={"help": "conf/quant schemes (empty: all)"})
+    # 8 of Qwen3-30B-A3B's 48 layers by default: see the ``moe`` section in the module docstring.
+    moe_layers: int = field(default=8, metadata={"help": "layers of the Qwen3-30B-A3B-shaped MoE (48: full size)"})
 
 
 class Check:
@@ -439,6 +457,135 @@ def section_generation(check: Check, device: torch.device, shape: dict) -> None:
                f"{ours_s:.2f} s vs generate {hf_s:.2f} s", "identical tokens", harness_s=ours_s, generate_s=hf_s)
 
 
+def moe_architecture(dry_run: bool, layers: int) -> Any:
+    """The ledger's Qwen3-30B-A3B shapes with ``layers`` layers (the dry run: a tiny shrink of them)."""
+    import dataclasses
+
+    from harness.decision.ledger import known_architectures
+    arch = known_architectures()[MOE_ENTRY]
+    return dataclasses.replace(arch, **TINY_MOE) if dry_run else dataclasses.replace(arch, layers=layers)
+
+
+def random_qwen3_moe(arch: Any, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """A Qwen3-MoE of the ledger's shapes, every layer sparse, seeded N(0, 0.02) weights (experts and routers
+    included), initialised directly on ``device``."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    config = Qwen3MoeConfig(hidden_size=arch.hidden_size, intermediate_size=arch.intermediate_size,
+                            num_hidden_layers=arch.layers, num_attention_heads=arch.heads,
+                            num_key_value_heads=arch.kv_heads, head_dim=arch.head_dim, vocab_size=arch.vocab_size,
+                            num_experts=arch.num_experts, num_experts_per_tok=arch.experts_per_token,
+                            moe_intermediate_size=arch.moe_intermediate_size, decoder_sparse_step=1,
+                            mlp_only_layers=[], tie_word_embeddings=bool(arch.tied_embeddings),
+                            max_position_embeddings=8192)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Qwen3MoeForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.02, generator=generator)
+    return model.eval()
+
+
+def section_moe(check: Check, device: torch.device) -> None:
+    """Qwen3-30B-A3B-shaped MoE: build, quantize with int4_g128 (experts included), batch-1 decode vs the floor."""
+    import harness
+    from harness import quant
+    from harness.config import compose
+    from harness.decision.ledger import REFERENCE_BITS, decode_read_bytes, expert_bits, scheme_weight_bytes
+    from harness.job.pipeline import to_config
+    from harness.quant.experts import find_fused_experts
+    opts = check.options
+    arch = moe_architecture(opts.dry_run, opts.moe_layers)
+    state: dict[str, Any] = {}
+
+    def build() -> None:
+        start = time.perf_counter()
+        model = state["model"] = random_qwen3_moe(arch, device, torch.bfloat16)
+        _sync(device)
+        params = sum(p.numel() for p in model.parameters())
+        norms = arch.layers * 2 * arch.head_dim  # Qwen3's q_norm and k_norm, which the ledger does not count
+        predicted = arch.total_params()
+        same = params == predicted + norms
+        check.line("PASS" if same else "WARN", "moe/build",
+                   f"{arch.layers} layers × {arch.num_experts} experts (top {arch.experts_per_token}): {params:,} "
+                   f"parameters = the ledger's {predicted:,.0f} + {norms:,} q/k-norm weights"
+                   + ("" if same else f" MISMATCH by {params - predicted - norms:,.0f}")
+                   + f"; {time.perf_counter() - start:.1f} s", "ledger count + q/k norms, exactly",
+                   params=params, ledger_params=predicted, layers=arch.layers)
+    check.step("moe/build", build)
+    if "model" not in state:
+        return
+    ids = torch.randint(0, arch.vocab_size, (2, 128 if not opts.dry_run else 32),
+                        generator=torch.Generator().manual_seed(9)).to(device)
+    scheme = quant.with_model_defaults(to_config(compose(["model=tiny_random", "quant=int4_g128"])).quant, False)
+
+    def quantize() -> None:
+        model = state["model"]
+        experts = find_fused_experts(model)
+        first = next(iter(experts.values())).module
+        before = first.gate_up_proj[0].detach().clone(), first.down_proj[-1].detach().clone()
+        with torch.no_grad():
+            reference = model(ids, use_cache=False).logits
+        _sync(device)
+        start = time.perf_counter()
+        report = harness.quantize(model, scheme)  # the public entry point (harness.quant.apply)
+        _sync(device)
+        seconds = time.perf_counter() - start
+        with torch.no_grad():
+            kl = _mean_kl(reference, model(ids, use_cache=False).logits)
+        account = report.coverage
+        expert_params = sum(e.numel for e in account.entries if e.status == "quantized" and ".experts." in e.name)
+        changed = not torch.equal(first.gate_up_proj[0], before[0]) and not torch.equal(first.down_proj[-1], before[1])
+        ok = account.uncovered_params == 0 and expert_params > 0 and changed and math.isfinite(kl) and kl > 0
+        check.line("PASS" if ok else "FAIL", "moe/quantize",
+                   f"int4_g128 in {seconds:.1f} s: {account.quantized_share:.1%} of matrix weights quantized "
+                   f"({expert_params:,} in {len(experts)} experts modules), {account.uncovered_params} "
+                   f"uncovered, {report.summary().get('bits_per_weight', float('nan')):.3f} bits/weight, "
+                   f"KL {kl:.3g}", "no weight uncovered, experts changed, KL finite > 0",
+                   quantize_s=seconds, quantized_share=account.quantized_share, expert_params=expert_params,
+                   uncovered_params=account.uncovered_params, kl=kl)
+    check.step("moe/quantize", quantize)
+
+    def decode() -> None:
+        model = state["model"]
+        _, _, bandwidth = gpu_peak(device)
+        prompt = ids[:1, :32]
+        steps = opts.decode_tokens if not opts.dry_run else 4
+
+        def generate(n: int) -> Any:
+            return model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        with torch.no_grad():
+            first = _timed(device, lambda: generate(1), repeats=2)
+            total = _timed(device, lambda: generate(steps + 1), repeats=2)
+        per_token = (total - first) / steps
+        unread = arch.inactive_params(1)
+        bf16_bytes = decode_read_bytes((arch.total_params() - unread) * REFERENCE_BITS / 8, arch.untied_embedding())
+        int4_bytes = decode_read_bytes(scheme_weight_bytes(arch, scheme)[0] - unread * expert_bits(arch, scheme) / 8,
+                                       arch.untied_embedding())
+        floor = bf16_bytes / (bandwidth * 1e12) if bandwidth else None
+        int4_floor = int4_bytes / (bandwidth * 1e12) if bandwidth else None
+        ok = math.isfinite(per_token) and per_token > 0
+        text = f"batch 1: {per_token * 1e3:.2f} ms/token, {1 / per_token:,.1f} tokens/s"
+        if floor:
+            text += (f" = {per_token / floor:.1f}× the ledger's {floor * 1e3:.3f} ms bf16 floor ({1 / floor:,.0f} "
+                     f"tokens/s; {arch.active_params() / 1e9:.2f}e9 active); deployed int4_g128 floor "
+                     f"{int4_floor * 1e3:.3f} ms ({1 / int4_floor:,.0f} tokens/s)")
+        check.line("INFO" if ok else "FAIL", "moe/decode", text, "reported, not judged (eager MoE decode)",
+                   ms_per_token=per_token * 1e3, tokens_per_s=1 / per_token,
+                   floor_ms=floor * 1e3 if floor else None, int4_floor_ms=int4_floor * 1e3 if int4_floor else None,
+                   ratio=per_token / floor if floor else None, read_bytes_bf16=bf16_bytes, read_bytes_int4=int4_bytes)
+    check.step("moe/decode", decode)
+    state.clear()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def section_e2e(check: Check, device: str, work: Path) -> None:
     from harness.job import pipeline as run_mod
     from harness.config import compose
@@ -497,6 +644,7 @@ def body(parsed: cli.Parsed[Options]) -> int:
         check.step("formats", lambda: section_formats(check, device))
         check.step("fp8_gemm", lambda: section_fp8_gemm(check, device, shape))
         check.step("generation", lambda: section_generation(check, device, shape))
+        check.step("moe", lambda: section_moe(check, device))
         check.step("e2e", lambda: section_e2e(check, device_name, work))
     failed = [row["check"] for row in check.rows if row["status"] == "FAIL"]
     check.line("FAIL" if failed else "PASS", "total", f"{check.elapsed():.0f} s, {len(check.rows)} checks, "

@@ -67,6 +67,15 @@ class CandidateConfig:
     revision: Optional[str] = None  # hub revision of the candidate
     name: Optional[str] = None  # label in run names and MLflow; default: the path's last part
     trust_remote_code: bool = False
+    # A served candidate (harness.checkpoint.served): an OpenAI-compatible /v1/completions server answers
+    # the items instead of an in-process model, paired with the reference as any candidate (quant=external).
+    endpoint: Optional[str] = None  # a running server's base URL, e.g. http://127.0.0.1:8000 (no credentials in it)
+    serve: Optional[str] = None  # or a command the harness starts on a free loopback port, with {port} in it
+    endpoint_model: Optional[str] = None  # the served model's id; None: the server's only model
+    endpoint_api_key_env: Optional[str] = None  # NAME of the environment variable holding the API key, never the key
+    endpoint_timeout_s: float = 600.0  # one request; a server silent for longer counts as hung
+    endpoint_batch_size: int = 8  # prompts per log-likelihood request
+    serve_startup_s: float = 900.0  # how long candidate.serve may take to answer /health
 
 
 @dataclass
@@ -146,6 +155,19 @@ class CalibrationConfig:
 
 
 @dataclass
+class MoEQuantConfig:
+    """``quant.moe``: how mixture-of-experts layers are quantized (harness.quant.experts; ignored by dense models)."""
+
+    # Calibrate every expert on every calibration token (llm-compressor's choice) instead of the tokens the
+    # router sends to it; the block's output still uses only the routed experts.
+    calibrate_all_experts: bool = False
+    # An expert whose calibration statistics come from fewer routed tokens than this is rounded to nearest on
+    # the same grid instead of solved by GPTQ/AWQ; counted in the quant report (moe.fallback_experts).
+    min_tokens: int = 16
+    quantize_router: bool = False  # routers (mlp.gate) stay in full precision unless true (then rounded as a Linear)
+
+
+@dataclass
 class QuantConfig:
     name: str = MISSING  # scheme name used in run names and tags
     method: str = "rtn"  # rtn | gptq | awq | smoothquant, or one a plugin registers (harness.quant.register_method)
@@ -163,6 +185,11 @@ class QuantConfig:
     awq: AWQConfig = field(default_factory=AWQConfig)
     smoothquant: SmoothQuantConfig = field(default_factory=SmoothQuantConfig)
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    moe: MoEQuantConfig = field(default_factory=MoEQuantConfig)
+    # A scheme that would leave a matrix-shaped weight unquantized that no rule keeps (embedding, norm, router,
+    # output head, quant.keep) is refused before any evaluation (harness.quant.coverage); true runs it anyway
+    # and puts the uncovered share in the run's headline.
+    allow_uncovered: bool = False
 
 
 @dataclass
@@ -182,6 +209,12 @@ class SliceConfig:
     # is evaluated through its chat template (harness.job.identity.served_texts); None: every item.
     served_texts: Optional[int] = None
     metadata: dict[str, Any] = field(default_factory=dict)  # passed to the item generator
+    # The sampling design (docs/explanation/strata.md): the item field holding its stratum (a cell the slice
+    # enumerates on purpose) and its cluster (items sharing content drawn at random). None: the fields
+    # "stratum" and "cluster" where the items have them; a registry task's items have neither: every item
+    # its own cluster, one stratum.
+    stratum_field: Optional[str] = None
+    cluster_field: Optional[str] = None
 
 
 @dataclass
@@ -190,6 +223,12 @@ class EvalConfig:
     seed: int = 1234  # item generation and lm-eval seeds
     batch_size: Optional[int] = None  # None: the model config's batch size
     divergence_max_tokens: int = 1024  # longer gold texts are truncated (long-context: window)
+    # Also score each slice's gold texts (prompt + gold answer, no chat template): kl_plain_mean and the other
+    # *_plain metrics, and for a base model (no chat template) its headline, as before this option existed. Off: every
+    # model's headline is its served replies. Cost when on: one more forward of both models over every gold
+    # text, which no evaluation has run (the default job: ~6.1k tokens per model, +9 % on its ~65k; each
+    # long-context text up to divergence_max_tokens).
+    divergence_plain: bool = False
     # How the reference distribution is cached: hidden (final hidden state + the reference's output
     # head: exact, hidden_size floats/token) | logprobs (exact, vocab_size floats/token) | topk
     # (top-k + tail: a lower bound of KL, ~6% low at k=256 on SmolLM2; see benchmarks/).
@@ -248,8 +287,9 @@ class GateConfig:
     correction: Optional[str] = None  # holm | bh | none across the run's gated slices; None: compare.correction
     min_items: int = 30  # fewer items: inconclusive (a t-test on a handful of items is not a decision)
     min_clusters: int = 5  # fewer clusters: inconclusive (the clustered SE needs several clusters)
-    # A slice of multi-item clusters passes only with this many clusters: with fewer, the score test's measured
-    # false-pass rate at the margin exceeds α (benchmarks/bench_gate_oc.py; README "Deciding to ship"). 0: off.
+    # A slice of multi-item clusters passes only with this many random clusters (G - K + 1: strata are not counted,
+    # docs/explanation/strata.md): with fewer, the score test's measured false-pass rate at the margin exceeds α
+    # (benchmarks/bench_gate_oc.py; README "Deciding to ship"). 0: off.
     min_clusters_pass: int = 20
     # Reference accuracy minus chance below this: inconclusive (a slice the reference mostly gets wrong
     # cannot show a loss). Chance is gate.chance[slice], else mc_chance per multiple-choice item, 0 generative.

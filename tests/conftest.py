@@ -44,7 +44,8 @@ def pytest_configure(config: pytest.Config) -> None:
 # 2026-12-02): run first, so that no worker starts a long file while the others run out of work. With
 # --no-loadscope-reorder (Makefile) xdist hands out files in collection order; pytest-xdist's default
 # order (most tests first) put the two-test console file, 190 s, last.
-LONGEST_FIRST = ("test_smoke_matrix.py", "test_console.py",  # 182, 122 s in a suite run of 2026-12-02
+LONGEST_FIRST = ("test_endpoint_vllm.py",  # a real vLLM server: 4 jobs, ~14 min at load 10 (2026-12-03)
+                 "test_smoke_matrix.py", "test_console.py",  # 182, 122 s in a suite run of 2026-12-02
                  "test_bf16.py", "test_sweeps.py", "test_resume.py",  # ~110, 109, ~100
                  "test_tracking_server.py", "test_slice_long_context.py", "test_pipeline.py",  # 75-64
                  "faults/test_fault_disk.py", "test_sweep_overlap.py", "faults/test_fault_reference_process.py",

@@ -130,8 +130,10 @@ def test_hidden_state_store_is_exact_and_small(models):
     with torch.no_grad():
         live.lm_head.weight.mul_(0.5)  # must not leak into the stored reference
     hidden = compare_to_reference(quantized, refs, "s")
+    # the logprobs store holds log-probs rounded to float32 (|log p| up to ~10 here: steps of ~1e-6), the hidden
+    # store recomputes the logits themselves: they agree to that rounding
     for column in ("kl", "kl_reverse", "nll_ref", "nll_quant", "top1_ref", "p_ref"):
-        np.testing.assert_allclose(hidden[column], full[column], rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(hidden[column], full[column], rtol=1e-5, atol=1e-6)
     assert refs[0].hidden.shape[-1] == 64 and refs[0].logp is None
     same = compare_to_reference(reference, score_reference(reference, CharTokenizer(), TEXTS, max_tokens=512,
                                                            store="hidden"), "s")

@@ -62,7 +62,7 @@ def test_fp8_scale_is_the_channel_amax_over_448():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["kv4", "int8_w8a8", "mxfp4"])
+@pytest.mark.parametrize("name", ["kv4", "fp8_block", "mxfp4"])
 def test_unrepresentable_schemes_name_what_is_representable(name):
     scheme = OmegaConf.to_object(compose([f"quant={name}", "model=tiny_random"])).quant
     with pytest.raises(export_mod.ExportError, match="representable: int weights"):

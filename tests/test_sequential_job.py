@@ -196,6 +196,9 @@ def test_run_key_is_unchanged_by_the_option_off_and_covers_the_stop_rule_on(make
         config["eval"].pop(key)
     for transient in identity.TRANSIENT_SECTIONS:
         config.pop(transient, None)
+    for slice_config in config["slices"].values():  # unset sampling-design fields (issue 37): not in the key either
+        for key in identity.DESIGN_FIELDS:
+            slice_config.pop(key)
     from harness.infra.cache import stable_hash
     assert identity.run_key(base) == stable_hash({"config": config, "model": None}, 16)  # as before the option
     on = identity.to_config(make_cfg("model=tiny_random", "eval.sequential=true"))

@@ -162,7 +162,8 @@ def test_chat_model_run_scores_the_prompt_lm_eval_sent_and_reports_both_kls(make
     from harness.job import pipeline as run_mod
 
     cfg = make_cfg("model=tiny_random", "model.chat_template=true", "slices=[math]", "slices.math.n_items=6",
-                   "slices.math.divergence_texts=3", "quant=int4_g128", "tracking.enabled=false")
+                   "slices.math.divergence_texts=3", "quant=int4_g128", "tracking.enabled=false",
+                   "eval.divergence_plain=true")  # the gold texts too (off by default since issue 35)
     result = run_mod.run(cfg)
     [directory] = (tmp_path / "results").glob("*")
     tokens = pd.read_parquet(directory / "tokens.parquet")

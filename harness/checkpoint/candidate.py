@@ -89,8 +89,13 @@ class CandidateScheme:
 
 
 def requested(cfg: CandidateConfig, scheme_name: str) -> bool:
-    """Whether the job evaluates an external checkpoint; a contradictory config is refused."""
-    
+    """Whether the job evaluates an external checkpoint (in process, or served: ``candidate.endpoint`` /
+    ``candidate.serve``, harness.checkpoint.served); a contradictory config is refused."""
+    if cfg.endpoint or cfg.serve:
+        from harness.checkpoint.served_config import check_config
+
+        check_config(cfg, scheme_name)
+        return True
     if cfg.path and scheme_name not in ("external", "none"):
         raise UsageError(f"candidate.path={cfg.path} is an external checkpoint, so the harness does not quantize "
                          f"anything itself; use quant=external (got quant={scheme_name})")
@@ -103,6 +108,10 @@ def requested(cfg: CandidateConfig, scheme_name: str) -> bool:
 def candidate_name(cfg: CandidateConfig) -> str:
     if cfg.name:
         return cfg.name
+    if cfg.endpoint or cfg.serve:
+        from harness.checkpoint.served_config import served_name
+
+        return served_name(cfg)
     assert cfg.path
     base = cfg.gguf_file or cfg.path.rstrip("/").split("/")[-1]
     return re.sub(r"[^A-Za-z0-9_.+-]+", "_", base)
@@ -197,9 +206,12 @@ def measured_bits_per_weight(directory: Path, linear_shapes: dict[str, tuple[int
     """Stored bits per weight of the quantized linears, from the safetensors headers.
 
     Every tensor named ``<linear>.<anything>`` (``weight_packed``, ``weight_scale``, ``qweight``,
-    ``scales``, ``qzeros``, ``g_idx``, ...) counts towards its linear, except the bias; linears
-    stored densely (a plain ``.weight`` of the full shape, or named in ``kept``) are left out.
-    None when the directory holds no safetensors (hub checkpoints not downloaded, GGUF).
+    ``scales``, ``qzeros``, ``g_idx``, ...) counts towards its linear at its stored dtype's width, except
+    the bias; linears stored densely (a plain ``.weight`` of the full shape in a 16- or 32-bit float, or
+    named in ``kept``) are left out. A full-shape ``.weight`` stored in 8 bits (FP8 ``F8_E4M3``, INT8
+    ``I8``: compressed-tensors' float-/int-quantized formats, most shipped FP8 checkpoints) is
+    quantized: 8 bits plus its scales. None when the directory holds no safetensors (hub checkpoints
+    not downloaded, GGUF).
     """
     files = sorted(Path(directory).glob("*.safetensors"))
     if not files:
@@ -214,7 +226,8 @@ def measured_bits_per_weight(directory: Path, linear_shapes: dict[str, tuple[int
             numel = 1
             for dim in info["shape"]:
                 numel *= int(dim)
-            if leaf == "weight" and tuple(info["shape"]) == tuple(linear_shapes[module]):
+            if leaf == "weight" and tuple(info["shape"]) == tuple(linear_shapes[module]) \
+                    and _DTYPE_BITS.get(info["dtype"], 32) >= 16:
                 dense.add(module)
             per_linear[module] = per_linear.get(module, 0.0) + numel * _DTYPE_BITS.get(info["dtype"], 32)
     quantized = [m for m in per_linear if m not in dense]

@@ -9,7 +9,11 @@ Representable schemes (anything else is refused with this list, :data:`REPRESENT
 
 * integer weights, 4 or 8 bits, per output channel or per group, symmetric or asymmetric
   (``pack-quantized``): RTN, GPTQ, AWQ (its scales are already folded into the preceding norm
-  or linear, which are written as ordinary weights), SmoothQuant-smoothed weights;
+  or linear, which are written as ordinary weights), SmoothQuant-smoothed weights; groups must
+  divide every linear's input size (:func:`check_whole_groups` refuses a ragged last group before
+  quantizing: compressed-tensors cannot store it, vLLM cannot serve it);
+* INT8 W8A8: symmetric int8 channel weights with dynamic per-token int8 activations
+  (``int-quantized``, compressed-tensors' W8A8 preset; ``int8_w8a8``, ``int8_w8a8_sq``);
 * FP8 E4M3 weights per tensor or per channel, with or without dynamic per-token FP8
   activations (``float-quantized``: "FP8_DYNAMIC" / W8A16 FP8);
 * NVFP4 weights (``nvfp4-pack-quantized``, compressed-tensors' NVFP4A16 preset: E2M1 codes, an
@@ -56,6 +60,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,7 +86,7 @@ from harness.checkpoint.export_grids import (
 from harness.config import QuantConfig, TensorQuantConfig
 from harness.errors import UsageError
 
-__all__ = ["REPRESENTABLE", "ExportError", "ExportResult", "export", "kv_cache_args", "load_compressed",
+__all__ = ["REPRESENTABLE", "ExportError", "ExportResult", "check_whole_groups", "export", "kv_cache_args", "load_compressed",
            "quantization_args", "recover_fp8_scale", "recover_int_grid", "recover_nvfp4", "stored_error", "verify"]
 
 log = logging.getLogger(__name__)
@@ -123,9 +128,20 @@ def quantization_args(scheme: QuantConfig) -> dict[str, Any]:
         fields["weights"] = QuantizationArgs(num_bits=weights.bits, type="int", symmetric=weights.symmetric,
                                              strategy=weights.granularity,
                                              group_size=weights.group_size if weights.granularity == "group" else None)
-        if scheme.activations is not None:
-            raise _unsupported(f"scheme {scheme.name!r}: int weights with activation quantization "
-                               "(int W8A8 is not exported yet)")
+        acts = scheme.activations
+        if acts is not None:
+            # INT8 W8A8 (compressed-tensors' W8A8 preset, "int-quantized"): what vLLM serves with its int8
+            # kernels (CUTLASS on GPUs, oneDNN on CPUs), smoothed (SmoothQuant folds into the norms) or not
+            w8a8 = (weights.bits == 8 and weights.granularity == "channel" and weights.symmetric
+                    and acts.format == "int" and acts.bits == 8 and acts.symmetric and acts.dynamic
+                    and acts.granularity == "token")
+            if not w8a8:
+                raise _unsupported(f"scheme {scheme.name!r}: int{weights.bits} weights per {weights.granularity} "
+                                   f"with {acts.format}{acts.bits if acts.format == 'int' else ''} activations per "
+                                   f"{acts.granularity} ({'dynamic' if acts.dynamic else 'static'}); int W8A8 is "
+                                   "exported as symmetric int8 channel weights with dynamic per-token int8 inputs")
+            fields["input_activations"] = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token",
+                                                           dynamic=True)
     elif weights.format == "fp8_e4m3":
         if weights.granularity not in ("channel", "tensor"):
             raise _unsupported(f"fp8 weights per {weights.granularity}")
@@ -165,6 +181,32 @@ def kv_cache_args(scheme: QuantConfig) -> Any:
     if kv.residual_length:
         raise _unsupported(f"a KV cache with a full-precision residual window (residual_length={kv.residual_length})")
     return QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="tensor", dynamic=False)
+
+
+def check_whole_groups(targets: dict[str, nn.Linear], scheme: QuantConfig) -> None:
+    """Refuse, in one line and before quantizing, group sizes that leave a shorter last group.
+
+    The harness evaluates ragged groups (``ragged_groups``: a last group of ``in % group_size``
+    columns, as the GPTQ reference does), but compressed-tensors refuses to store them (``tensor
+    column shape must be divisible by the given group_size``) and vLLM's grouped kernels need whole
+    groups, so no file both would read exists. The fix names the group sizes that divide every layer.
+    """
+    weights = scheme.weights
+    if weights is None or weights.granularity != "group" or not targets:
+        return
+    sizes = {name: module.in_features for name, module in targets.items()}
+    ragged = {name: size for name, size in sizes.items() if size % weights.group_size}
+    if not ragged:
+        return
+    common = math.gcd(*sizes.values())
+    fits = [g for g in (256, 128, 64, 32, 16) if common % g == 0 and g < weights.group_size]
+    example = sorted(ragged)[0]
+    fix = (f"quant.weights.group_size={fits[0]} (divides every input size{', as do ' + str(fits[1:]) if fits[1:] else ''})"
+           if fits else "a group size that divides every input size")
+    raise ExportError(f"quant.weights.group_size={weights.group_size} leaves a shorter last group in {len(ragged)} of "
+                      f"{len(sizes)} linears (input sizes {sorted(set(ragged.values()))}, e.g. {example}: "
+                      f"{ragged[example]} columns); compressed-tensors cannot store it and vLLM cannot serve it. "
+                      f"Fix: {fix}, or evaluate the ragged scheme without exporting it")
 
 
 # ------------------------------------------------------------------------------ the export
@@ -284,6 +326,7 @@ def export(model: nn.Module, tokenizer: Any, scheme: QuantConfig, out: str | Pat
     )
 
     fields = quantization_args(scheme)
+    check_whole_groups(targets, scheme)
     kv_args = kv_cache_args(scheme)
     out = Path(out)
     if out.exists() and any(out.iterdir()):
@@ -372,6 +415,7 @@ def _body(parsed: cli.Parsed[ExportOptions]) -> int:
     from harness.decision.quant_report import prepare
 
     prepared = prepare(cfg)
+    check_whole_groups(target_linears(prepared.loaded.model, prepared.scheme)[0], prepared.scheme)  # before work
     quant.apply(prepared.loaded.model, prepared.scheme, prepared.context)
     targets, kept = target_linears(prepared.loaded.model, prepared.scheme)
     calibration = (prepared.context.calibration_batches()

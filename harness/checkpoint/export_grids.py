@@ -16,8 +16,9 @@ from torch import Tensor
 from harness.errors import UsageError
 from harness.quant import formats
 
-REPRESENTABLE = ("int weights (4 or 8 bits; channel or group; symmetric or asymmetric), no activation "
-                 "quantization: RTN, GPTQ, AWQ, SmoothQuant-smoothed",
+REPRESENTABLE = ("int weights (4 or 8 bits; channel or group; symmetric or asymmetric; groups that divide every "
+                 "input size), no activation quantization: RTN, GPTQ, AWQ, SmoothQuant-smoothed",
+                 "int8 symmetric channel weights with int8 dynamic per-token activations (int8_w8a8, int8_w8a8_sq)",
                  "fp8_e4m3 weights (tensor or channel), optionally with fp8_e4m3 dynamic per-token activations",
                  "nvfp4 weights (blocks of 16), optionally with nvfp4 dynamic activations (nvfp4_w4a16, nvfp4)",
                  "any of these (or no weight quantization) with an fp8_e4m3 KV cache of static per-tensor scales "

@@ -9,11 +9,13 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import scipy.stats as sps
 
 from harness import stats
 from harness.config import GateConfig, TokenGateConfig
 from harness.decision.gate_inputs import GateInputError, RunResults
 from harness.evaluation import sequential
+from harness.stats.score import restricted_loss
 
 PASS, FAIL, INCONCLUSIVE = "pass", "fail", "inconclusive"
 EXIT_CODES = {PASS: 0, FAIL: 1, INCONCLUSIVE: 2}
@@ -115,8 +117,10 @@ def accuracy_criteria(run: RunResults, cfg: GateConfig) -> list[Criterion]:
         group = items[items["slice"] == name]
         margin = float(cfg.margins.get(name, default_margin))
         clusters = group["cluster"].to_numpy(dtype=object) if "cluster" in group else None
+        strata = group["stratum"].to_numpy(dtype=object) if "stratum" in group else None  # missing: one stratum
         ref, quant = group["correct_ref"].to_numpy(float), group["correct_quant"].to_numpy(float)
-        shown = stats.paired_compare(ref, quant, clusters=clusters, n_resamples=int(compare.get("n_resamples", 2000)),
+        shown = stats.paired_compare(ref, quant, clusters=clusters, strata=strata,
+                                     n_resamples=int(compare.get("n_resamples", 2000)),
                                      seed=int(compare.get("seed", 0)), ci_level=1 - 2 * cfg.alpha, margin=margin,
                                      min_clusters=1)
         fail_level = 1 - 2 * cfg.alpha / family
@@ -128,8 +132,11 @@ def accuracy_criteria(run: RunResults, cfg: GateConfig) -> list[Criterion]:
                        interval="sequence", items_total=sequence.n_total, method=record["method"])
         else:
             codes = stats.paired.cluster_codes(clusters, len(group))
-            row.update(fail_ci_high=stats.score_test(quant - ref, codes).interval(fail_level)[1], interval="score")
-        row.update(slice=name, chance=slice_chance(cfg, name, group), fail_level=fail_level, family=family)
+            layers = None if strata is None else stats.stratum_codes(strata, len(group))
+            row.update(fail_ci_high=stats.score_test(quant - ref, codes, layers).interval(fail_level)[1],
+                       interval="score")
+        row.update(slice=name, chance=slice_chance(cfg, name, group), fail_level=fail_level, family=family,
+                   discordance=float(np.abs(quant - ref).mean()))  # mean |d|: the items a fail needs
         out.append(_accuracy_decision(row, cfg, correction))
     return out
 
@@ -140,12 +147,19 @@ FEW_CLUSTER_FALSE_PASS = ("measured up to 0.108 with 5 clusters and 0.075 with 1
                           "concentrate (ICC 0.2); at most 0.060 from 20")
 
 
+def _clusters_counted(row: dict[str, Any]) -> int:
+    """The random clusters gate.min_clusters_pass counts: G - K + 1 (``n_clusters_within``: the clusters left
+    once each stratum's mean is taken out; docs/explanation/strata.md), G for rows without it."""
+    within = row.get("n_clusters_within")
+    return int(row["n_clusters"]) if within is None or math.isnan(float(within)) else int(within)
+
+
 def _few_clusters_to_pass(row: dict[str, Any], cfg: GateConfig) -> bool:
-    """Whether a slice of multi-item clusters has fewer clusters than a pass needs (a sequence read by
-    betting assumes nothing of the clusters and is exempt)."""
+    """Whether a slice of multi-item clusters has fewer random clusters than a pass needs (strata are not
+    counted; a sequence read by betting assumes nothing of the clusters and is exempt)."""
     clustered = int(row["n_clusters"]) < int(row["n"])
     betting = row.get("interval") == "sequence" and row.get("method") == "betting"
-    return clustered and not betting and int(row["n_clusters"]) < cfg.min_clusters_pass
+    return clustered and not betting and _clusters_counted(row) < cfg.min_clusters_pass
 
 
 def _not_evaluated(run: RunResults, slice_name: str) -> pd.DataFrame | None:
@@ -158,6 +172,41 @@ def _not_evaluated(run: RunResults, slice_name: str) -> pd.DataFrame | None:
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the same bad input
         raise GateInputError(f"{path} is unreadable ({type(exc).__name__}); rerun the job with force=true") from None
     return frame[frame["slice"] == slice_name]
+
+
+def fail_items(discordance: float, design_effect: float, delta: float, margin: float, level: float,
+               clusters_per_item: float = 1.0) -> int | None:
+    """Items for 80 % power of the fail claim (inferiority beyond ``margin``, the one-sided level-``level``
+    score test) if the true Δ were the observed ``delta``, at the observed discordance (mean |d|) and design
+    effect; None unless ``delta`` lies beyond ``-margin``. The normal approximation of
+    :func:`harness.stats.paired.noninferiority_items` turned round: the score test's null variance at
+    Δ = -m of the observed table, the variance of d at Δ = ``delta``, and the critical value of t on the
+    clusters n items would bring, less one (more items of the same kind: ``clusters_per_item`` × n)."""
+    gap = -margin - delta
+    if not gap > 1e-12 or not math.isfinite(design_effect):
+        return None
+    gains, losses = (discordance + delta) / 2, (discordance - delta) / 2
+    sigma0 = math.sqrt(max(2 * float(restricted_loss(-margin, gains, losses, 1.0)) - margin * (1 + margin), 0.0))
+    sigma1 = math.sqrt(max(discordance - delta * delta, 0.0))
+    z_power = float(sps.norm.ppf(0.8))
+    critical, n = float(sps.norm.ppf(1 - level)), 2
+    for _ in range(20):
+        n_new = max(2, int(math.ceil(design_effect * ((critical * sigma0 + z_power * sigma1) / gap) ** 2)))
+        critical = float(sps.t.ppf(1 - level, max(1, math.ceil(clusters_per_item * n_new) - 1)))
+        if n_new == n:
+            break
+        n = n_new
+    return n
+
+
+def _unsettleable_reason(delta: float, margin: float, n: int, n_fail: int | None) -> str:
+    """Why more items cannot make a slice observed at or beyond the margin pass, and what they can do."""
+    if n_fail is None:  # Δ̂ at the margin: in expectation neither bound ever clears it
+        return (f"cannot be settled by more items: Δ̂ {100 * delta:+.1f} pt is at the margin "
+                f"-{100 * margin:.1f} pt, so neither a pass nor a fail is expected")
+    return (f"a pass is out of reach (Δ̂ {100 * delta:+.1f} pt is beyond the margin -{100 * margin:.1f} pt), but more "
+            f"items would settle it as a fail: about {n_fail} items ({n} now) give 80 % power if the true Δ "
+            f"is Δ̂, at this slice's discordance and design effect")
 
 
 def _accuracy_decision(row: dict[str, Any], cfg: GateConfig, correction: str) -> Criterion:
@@ -180,8 +229,10 @@ def _accuracy_decision(row: dict[str, Any], cfg: GateConfig, correction: str) ->
         reasons = [f"worse beyond the margin: {adjusted} {100 * fail_high:+.1f} pt < -{100 * margin:.1f} pt"]
     elif low > -margin and _few_clusters_to_pass(row, cfg):
         outcome = INCONCLUSIVE
-        reasons = [f"non-inferior on its interval, but a pass needs {cfg.min_clusters_pass} clusters "
-                   f"(gate.min_clusters_pass; this slice has {clusters} of {n} items): with fewer the measured "
+        counted = _clusters_counted(row)
+        strata = "" if counted == clusters else f"; counted with its strata taken out, of {clusters} clusters in all"
+        reasons = [f"non-inferior on its interval, but a pass needs {cfg.min_clusters_pass} random clusters "
+                   f"(gate.min_clusters_pass; this slice has {counted} of {n} items{strata}): with fewer the measured "
                    f"false-pass rate at the margin exceeds α ({FEW_CLUSTER_FALSE_PASS})"]
     elif low > -margin and headroom < cfg.min_headroom:
         outcome = INCONCLUSIVE
@@ -199,17 +250,21 @@ def _accuracy_decision(row: dict[str, Any], cfg: GateConfig, correction: str) ->
     # More items settle it unless Δ̂ is at/beyond the margin, the reference is at the floor, or clusters are few.
     settleable = bool(row["settleable"]) and row.get("interval") != "sequence"  # a sequence used what it had
     settles = outcome == INCONCLUSIVE and settleable and headroom >= cfg.min_headroom and clusters >= cfg.min_clusters
+    n_fail: int | None = None
     if outcome == INCONCLUSIVE and row.get("interval") == "sequence" and not any(r.startswith("too few") for r in reasons):
         reasons.append(f"the confidence sequence did not settle on the slice's {row['items_total']} items")
     elif outcome == INCONCLUSIVE and not settleable and not any(r.startswith("too few") for r in reasons):
-        reasons.append(f"cannot be settled by more items: Δ̂ {100 * row['delta']:+.1f} pt is at or beyond the margin")
+        n_fail = fail_items(float(row["discordance"]), float(row["design_effect"]), float(row["delta"]), margin,
+                            (1 - float(row["fail_level"])) / 2, clusters_per_item=clusters / n)
+        reasons.append(_unsettleable_reason(float(row["delta"]), margin, n, n_fail))
     numbers = {key: _json_number(row[key]) for key in ("n", "n_clusters", "acc_ref", "acc_quant", "delta", "delta_ci_low",
                                                  "delta_ci_high", "delta_se", "delta_p", "design_effect",
                                                  "flips_right_to_wrong", "flips_wrong_to_right", "noninferiority_p",
                                                  "inferiority_p", "mde", "fail_ci_high", "fail_level")}
     numbers.update({"margin": margin, "alpha": cfg.alpha, "ci_level": 1 - 2 * cfg.alpha, "correction": correction,
                     "family": family, "chance": row["chance"], "headroom": headroom, "settleable": settleable,
-                    "n_needed": _json_number(row["n_needed"]) if settles else None})
+                    "n_needed": _json_number(row["n_needed"]) if settles else None,
+                    "n_fail": n_fail if outcome == INCONCLUSIVE else None})
     interval = (f"confidence sequence: lower bound (level {cfg.alpha:g}) {100 * low:+.1f} pt" if row.get("interval") == "sequence"
                 else f"{level:.4g} % CI [{100 * low:+.1f}, {100 * high:+.1f}]")
     if row.get("interval") == "sequence":

@@ -15,12 +15,15 @@ the outcome read off it, at the slice's margin m and the gate's one-sided level 
   k = 1), printed beside the verdict. A slice whose 1 - 2α interval lies wholly above -m never fails.
 * **inconclusive**: anything else. Reasons: too few items (``min_items``), too few clusters
   (``min_clusters``), a slice of multi-item clusters that would pass with fewer than
-  ``min_clusters_pass`` (20) clusters (there the score test's measured false-pass rate exceeds α:
+  ``min_clusters_pass`` (20) random clusters — strata are not counted: G − K + 1, the clusters left once
+  each stratum's mean is taken out (there the score test's measured false-pass rate exceeds α:
   flips concentrated in a few sources that a handful of clusters may not include), the reference near the floor or chance (accuracy − chance < ``min_headroom``:
   a slice the reference mostly gets wrong cannot show a loss; checked before a pass, not before a
   fail), or the interval straddles -m. Then ``n_needed`` is the number of items that would give
-  80 % power if the true Δ were 0 (at the slice's observed discordance and design effect), or
-  "cannot be settled by more items" when the estimate itself is at or beyond -m.
+  80 % power if the true Δ were 0 (at the slice's observed discordance and design effect). When the
+  estimate itself lies beyond -m no number of items shows a pass, but more items settle it as a
+  fail: ``n_fail`` gives the items for 80 % power of the fail if the true Δ were the estimate; an
+  estimate exactly at -m "cannot be settled by more items".
 
 The false-pass rate at Δ = -m and the power at Δ = 0 and -m/2 of this rule, over sizes, cluster
 structures, accuracies, flip patterns and partial credit, are in the README (bench_gate_oc).

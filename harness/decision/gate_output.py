@@ -52,7 +52,8 @@ def table(decision: GateDecision) -> pd.DataFrame:
                     detail = (f"Δ {100 * x['delta']:+.1f} [{100 * x['delta_ci_low']:+.1f}, {100 * x['delta_ci_high']:+.1f}] "
                               f"({100 * x['ci_level']:.4g} %) m {100 * x['margin']:.1f}")
                 n_needed = x["n_needed"] if x["n_needed"] is not None else \
-                    ("not by more items" if not x["settleable"] and c.outcome == INCONCLUSIVE
+                    (f"fail at ~{x['n_fail']}" if x.get("n_fail") is not None else  # a pass is out of reach
+                     "not by more items" if not x["settleable"] and c.outcome == INCONCLUSIVE
                      and x.get("interval") != "sequence" else "")
                 rows.append({"run": run.run_name, "slice": c.slice, "criterion": "accuracy", "outcome": c.outcome,
                              "n": x["n"], "acc_ref": round(x["acc_ref"], 3), "detail": detail,

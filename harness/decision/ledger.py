@@ -200,22 +200,70 @@ class Architecture:
     vocab_size: int = 0
     tied_embeddings: Optional[bool] = None
     params: float = 0.0  # total parameters; 0: counted from the shapes (llama-style blocks)
+    # Mixture of experts; 0: a dense model. Every parameter counts for memory; a decode step reads
+    # only the experts its tokens are routed to (active_params at batch 1, expected_experts at batch B).
+    num_experts: int = 0  # routed experts per MoE layer
+    experts_per_token: int = 0  # top-k
+    moe_intermediate_size: int = 0  # each expert's MLP width
+    shared_intermediate_size: int = 0  # total MLP width of a MoE layer's shared expert(s); 0: none
+    dense_layers: int = 0  # leading layers with a dense MLP (DeepSeek-V3's first_k_dense_replace)
+    attention_params: float = 0.0  # per layer when attention is not llama-shaped (DeepSeek's MLA); 0: from heads
 
     def merged(self, fallback: "Architecture") -> "Architecture":
         return Architecture(**{f.name: getattr(self, f.name) if getattr(self, f.name) not in (0, 0.0, None)
                                else getattr(fallback, f.name) for f in dataclasses.fields(self)})
 
     def linears(self) -> dict[str, tuple[int, int]]:
-        """Linear name → (out, in) of a llama-style decoder (attention q/k/v/o, gated MLP, output head)."""
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        per_block = {"self_attn.q_proj": (q, self.hidden_size), "self_attn.k_proj": (kv, self.hidden_size),
-                     "self_attn.v_proj": (kv, self.hidden_size), "self_attn.o_proj": (self.hidden_size, q),
-                     "mlp.gate_proj": (self.intermediate_size, self.hidden_size),
-                     "mlp.up_proj": (self.intermediate_size, self.hidden_size),
-                     "mlp.down_proj": (self.hidden_size, self.intermediate_size)}
-        out = {f"model.layers.{i}.{name}": shape for i in range(self.layers) for name, shape in per_block.items()}
-        out["lm_head"] = (self.vocab_size, self.hidden_size)
+        """Linear name → (out, in) of a llama-style decoder (attention q/k/v/o, gated MLP, output head).
+
+        A MoE layer has ``mlp.experts.<e>.{gate,up,down}_proj`` per expert (the names vLLM reads) and
+        ``mlp.shared_experts.*``; attention given as ``attention_params`` is one ``self_attn.proj`` matrix.
+        """
+        q, kv, hidden = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.hidden_size
+        attention = {"self_attn.q_proj": (q, hidden), "self_attn.k_proj": (kv, hidden),
+                     "self_attn.v_proj": (kv, hidden), "self_attn.o_proj": (hidden, q)}
+        if self.attention_params:
+            attention = {"self_attn.proj": (round(self.attention_params / hidden), hidden)}
+
+        def mlp(prefix: str, width: int) -> dict[str, tuple[int, int]]:
+            return {f"{prefix}.gate_proj": (width, hidden), f"{prefix}.up_proj": (width, hidden),
+                    f"{prefix}.down_proj": (hidden, width)}
+
+        dense, moe = {**attention, **mlp("mlp", self.intermediate_size)}, dict(attention)
+        for expert in range(self.num_experts):
+            moe.update(mlp(f"mlp.experts.{expert}", self.moe_intermediate_size))
+        if self.shared_intermediate_size:
+            moe.update(mlp("mlp.shared_experts", self.shared_intermediate_size))
+        out = {f"model.layers.{i}.{name}": shape for i in range(self.layers)
+               for name, shape in (moe if self.is_moe_layer(i) else dense).items()}
+        out["lm_head"] = (self.vocab_size, hidden)
         return out
+
+    def is_moe_layer(self, index: int) -> bool:
+        return bool(self.num_experts) and index >= self.dense_layers
+
+    def moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.layers))
+
+    def expert_params(self) -> float:
+        """Parameters of one routed expert (gate, up and down)."""
+        return 3.0 * self.hidden_size * self.moe_intermediate_size
+
+    def expected_experts(self, batch: int) -> float:
+        """Expected distinct experts a MoE layer reads for ``batch`` tokens routed independently and uniformly,
+        each to ``experts_per_token`` distinct experts: ``E · (1 − (1 − k/E)^B)``. Real routers are not uniform
+        (fewer distinct experts); this is the upper bound a decode step's bytes are planned with."""
+        if not self.num_experts:
+            return 0.0
+        return self.num_experts * (1.0 - (1.0 - self.experts_per_token / self.num_experts) ** batch)
+
+    def inactive_params(self, batch: int = 1) -> float:
+        """Expert parameters a decode step at ``batch`` does not read (0 for a dense model)."""
+        return self.moe_layers() * (self.num_experts - self.expected_experts(batch)) * self.expert_params()
+
+    def active_params(self) -> float:
+        """Parameters one token reads: every non-expert weight plus ``experts_per_token`` experts per layer."""
+        return self.total_params() - self.inactive_params(1)
 
     def untied_embedding(self) -> tuple[int, int] | None:
         """(vocab, hidden) of the input embedding when it is not the output head's matrix."""
@@ -231,13 +279,20 @@ class Architecture:
         if self.params:
             return float(self.params)
         linear = sum(o * i for name, (o, i) in self.linears().items() if name != "lm_head" or not self.tied_embeddings)
-        return float(linear + self.vocab_size * self.hidden_size + self.hidden_size * (2 * self.layers + 1))
+        routers = self.moe_layers() * self.num_experts * self.hidden_size
+        return float(linear + routers + self.vocab_size * self.hidden_size + self.hidden_size * (2 * self.layers + 1))
 
 
 def _from_hf_dict(config: dict[str, Any]) -> Architecture:
     heads = int(config.get("num_attention_heads") or 0)
     hidden = int(config.get("hidden_size") or 0)
-    return Architecture(layers=int(config.get("num_hidden_layers") or 0),
+    experts = int(config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 0)
+    moe_width = int(config.get("moe_intermediate_size") or (config.get("intermediate_size") or 0 if experts else 0))
+    shared = int(config.get("shared_expert_intermediate_size") or (config.get("n_shared_experts") or 0) * moe_width)
+    moe = dict(num_experts=experts, experts_per_token=int(config.get("num_experts_per_tok") or 0) if experts else 0,
+               moe_intermediate_size=moe_width if experts else 0, shared_intermediate_size=shared if experts else 0,
+               dense_layers=int(config.get("first_k_dense_replace") or 0) if experts else 0)
+    return Architecture(**moe, layers=int(config.get("num_hidden_layers") or 0),
                         kv_heads=int(config.get("num_key_value_heads") or heads),
                         head_dim=int(config.get("head_dim") or (hidden // heads if heads else 0)),
                         hidden_size=hidden, intermediate_size=int(config.get("intermediate_size") or 0), heads=heads,
@@ -355,12 +410,13 @@ def load_kv_format(name: str) -> KVCacheQuantConfig | None:
 # ---------------------------------------------------------------------------- ledger
 def capacity_rows(model: str, weights: dict[str, float], kv_per_token: dict[str, float], gpus: list[GPU], *,
                   reserve_gb: float = DEFAULT_RESERVE_GB, context: int = DEFAULT_CONTEXT,
-                  bits: dict[str, float] | None = None, untied_embedding: tuple[int, int] | None = None
-                  ) -> pd.DataFrame:
+                  bits: dict[str, float] | None = None, untied_embedding: tuple[int, int] | None = None,
+                  unread: dict[str, float] | None = None) -> pd.DataFrame:
     """One row per (weights, GPU, KV format): memory left for KV, tokens that fit, batch, decode floor.
 
     ``weights``: precision name → weight bytes; ``kv_per_token``: KV format → bytes per token;
-    ``untied_embedding``: (vocab, hidden) of an input embedding decode gathers (:func:`decode_read_bytes`).
+    ``untied_embedding``: (vocab, hidden) of an input embedding decode gathers (:func:`decode_read_bytes`);
+    ``unread``: precision → bytes of the experts a batch-1 decode step does not read (mixture of experts).
     """
     if reserve_gb < 0 or context < 1:
         raise UsageError(f"reserve_gb={reserve_gb} must be >= 0 and context={context} >= 1")
@@ -375,8 +431,9 @@ def capacity_rows(model: str, weights: dict[str, float], kv_per_token: dict[str,
                              "bandwidth_tbs": gpu.bandwidth_tbs, "reserve_gb": reserve_gb, "fits": left > 0,
                              "kv_left_gb": left / 1e9, "kv": kv, "kv_bytes_per_token": per_token,
                              "kv_tokens": tokens, "context": context, "max_batch": tokens // context,
-                             "decode_floor_ms": decode_floor_ms(decode_read_bytes(weight_bytes, untied_embedding),
-                                                                gpu.bandwidth_tbs * 1e12)})
+                             "decode_floor_ms": decode_floor_ms(
+                                 decode_read_bytes(weight_bytes - (unread or {}).get(precision, 0.0),
+                                                   untied_embedding), gpu.bandwidth_tbs * 1e12)})
     return pd.DataFrame(rows)
 
 
@@ -384,6 +441,7 @@ def capacity_rows(model: str, weights: dict[str, float], kv_per_token: dict[str,
 class Ledger:
     table: pd.DataFrame  # capacity_rows
     scheme: str
+    moe: Optional[Architecture] = None  # a mixture-of-experts model's shapes (its line in the markdown)
 
     def metrics(self) -> dict[str, float]:
         """``ledger/<GPU>/<kv>/tokens`` etc. for the scheme's weights (MLflow metric names)."""
@@ -424,11 +482,21 @@ class Ledger:
             "## Capacity ledger", "",
             f"KV-cache bytes per token: {per_token}. Runtime reserve {first['reserve_gb']:g} GB; batch at "
             f"{first['context']:,} tokens per sequence; decode floor = bytes read per token ÷ bandwidth (batch 1; "
-            "an untied input embedding gathered, one row per token).", "",
+            "an untied input embedding gathered, one row per token).", "", *self._moe_lines(),
             self.wide().to_markdown(index=False), ""])
 
     def write_csv(self, path: Path) -> None:
         self.table.to_csv(path, index=False)
+
+    def _moe_lines(self) -> list[str]:
+        arch = self.moe
+        if arch is None:
+            return []
+        batches = ", ".join(f"{b}: {arch.expected_experts(b):.1f}" for b in (1, 8, 64, 256))
+        return [f"Mixture of experts: {arch.num_experts} experts, {arch.experts_per_token} per token, "
+                f"{arch.total_params() / 1e9:.2f}B parameters in memory, {arch.active_params() / 1e9:.2f}B read "
+                f"per token at batch 1 (the decode floor counts these); expected distinct experts per MoE layer "
+                f"at batch {batches} (uniform routing: an upper bound).", ""]
 
 
 def build_ledger(model_name: str, arch: Architecture, scheme: QuantConfig, *, weight_bytes: float | None = None,
@@ -444,10 +512,31 @@ def build_ledger(model_name: str, arch: Architecture, scheme: QuantConfig, *, we
     computed, computed_bits = scheme_weight_bytes(arch, scheme)
     weights = {"bf16": arch.total_params() * REFERENCE_BITS / 8}
     weights[scheme.name] = computed if weight_bytes is None else weight_bytes
+    unread = {"bf16": arch.inactive_params(1) * REFERENCE_BITS / 8,
+              scheme.name: arch.inactive_params(1) * expert_bits(arch, scheme) / 8}
     table = capacity_rows(model_name, weights, per_token, gpu_list, reserve_gb=reserve_gb, context=context,
                           bits={"bf16": float(REFERENCE_BITS), scheme.name: computed_bits if bits is None else bits},
-                          untied_embedding=arch.untied_embedding())
-    return Ledger(table, scheme.name)
+                          untied_embedding=arch.untied_embedding(), unread=unread)
+    return Ledger(table, scheme.name, arch if arch.num_experts else None)
+
+
+def expert_bits(arch: Architecture, scheme: QuantConfig) -> float:
+    """Storage bits per weight of one routed expert under ``scheme`` (16 when it keeps the experts)."""
+    from harness.quant.base import _matches
+    from harness.quant.tensor import storage_bits
+
+    if not arch.num_experts or scheme.weights is None:
+        return float(REFERENCE_BITS)
+    layer = arch.dense_layers
+    shapes = {p: (arch.moe_intermediate_size, arch.hidden_size) for p in ("gate_proj", "up_proj")}
+    shapes["down_proj"] = (arch.hidden_size, arch.moe_intermediate_size)
+    total = 0.0
+    for proj, (out_features, in_features) in shapes.items():
+        name = f"model.layers.{layer}.mlp.experts.0.{proj}"
+        kept = _matches(name, list(scheme.keep)) or not _matches(name, list(scheme.targets))
+        total += out_features * in_features * (REFERENCE_BITS if kept else
+                                               storage_bits(scheme.weights, out_features, in_features))
+    return total / arch.expert_params()
 
 
 def ledger_for_run(model: Any, quant_report: "QuantReport", cfg: Any) -> Ledger:

@@ -39,6 +39,7 @@ from harness.infra.cache import Cache, atomic_write_text
 from harness.models import loading as models
 from harness.quant import smoothquant  # noqa: F401  (registers "smoothquant")
 from harness.quant.base import QuantReport
+from harness.results.report import coverage_lines
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,9 @@ class QuantReportTables:
             f"- bits per weight of the linears (scales included; kept ones at 16, the output head left out): "
             f"{s['bits_per_weight']:.4f}",
             f"- bits per parameter over the whole model (kept layers at 16): {s['bits_per_param_total']:.4f}",
+            *(f"- {line}" for line in coverage_lines({"quant": s})),
+            *(f"- experts that fell back to round-to-nearest (too few routed calibration tokens): "
+              f"{s['moe_fallback_experts']}" for _ in [0] if s.get("moe_fallback_experts")),
             f"- weight size: {s['weight_gb']:.4f} GB (BF16: {s['bf16_gb']:.4f} GB)",
             f"- weight SQNR: mean {s['sqnr_db_mean']:.2f} dB, min {s['sqnr_db_min']:.2f} dB; "
             f"quantized in {s['quantize_s']:.2f} s",
@@ -127,6 +131,8 @@ class QuantReportTables:
             _floor_markdown(self.decode_floor), "",
             "8B/70B rows: all parameters at the scheme's bits per weight above (nominal 8e9 / 70e9 parameters, "
             "each read per token); this model's rows gather an untied input embedding.",
+            "", "## Coverage account", "",
+            pd.DataFrame(s["coverage"]["rows"]).to_markdown(index=False, floatfmt=".4g") if s.get("coverage") else "",
             "", "## Per-layer weight error", "",
             self.layers.to_markdown(index=False, floatfmt=".4g") if len(self.layers) else "(no quantized weights)",
         ]

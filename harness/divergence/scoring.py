@@ -14,7 +14,13 @@ three forms (``store``):
   5.9% low for k=256 on SmolLM2, so it is only an option for when nothing else fits.
 
 Both models' logits are computed the same way, chunk by chunk from hidden states, so a
-scheme that changes nothing gives bit-identical distributions (KL exactly 0).
+scheme that changes nothing gives bit-identical distributions (KL exactly 0). The per-token
+statistics come from both sides' logits in one fused pass (:func:`token_statistics`).
+
+The hidden states themselves come, where they can, from the forwards that answered the items
+(:class:`harness.divergence.capture.HiddenCapture`: each prompt's prefill, the reference's decode
+steps, the quantized model's teacher-forced pass of the reference's reply), so each model runs a
+prompt once; a text without them is run here from its first token, as before.
 The quantized pass yields one row per token: NLL of both, KL in both directions, top-1 of
 both, probability of the actual token under both, the token's position and its ``kind``:
 
@@ -33,6 +39,7 @@ import pandas as pd
 import torch
 from torch import Tensor, nn
 
+from harness.divergence import router
 from harness.infra.devices import module_device
 from harness.models.placement import materialized_copy
 
@@ -81,6 +88,10 @@ class ReferenceText:
     hidden: Tensor | None = None  # [T-1, H] final hidden states (store=hidden)
     head: OutputHead | None = None  # the reference's frozen output head (store=hidden)
     prompt_tokens: int | None = None  # served text: input_ids[:prompt_tokens] is the prompt; None: plain text
+    routing: dict[str, Tensor] | None = None  # MoE: each layer's top-k experts per token (divergence.router)
+    # the states came from the forwards that answered the item (HiddenCapture), not from running the text again:
+    # the quantized side takes its own from there too only then, so both sides compute alike (a null scheme: KL 0)
+    captured: bool = False
 
     def kinds(self) -> list[str]:
         """The kind of each scored position 1..T-1 (the token it predicts): plain, prompt or reply."""
@@ -96,6 +107,22 @@ class ReferenceText:
             return self.head.log_probs(self.hidden[start:stop]).to(device)
         assert self.logp is not None
         return self.logp[start:stop].to(device)
+
+    def logits(self, start: int, stop: int, device: torch.device) -> Tensor:
+        """The reference's logits for positions [start, stop), up to a shift per position (exact stores
+        only: the log-distribution itself for ``logprobs``); what :func:`token_statistics` takes."""
+        if self.hidden is not None:
+            assert self.head is not None, "hidden-state reference without its output head"
+            return self.head.logits(self.hidden[start:stop]).to(device)
+        assert self.logp is not None
+        return self.logp[start:stop].to(device)
+
+    def prompt_and_reply(self) -> tuple[list[int], list[int]] | None:
+        """A served text's (prompt ids, reply ids) as scored; None for a plain text."""
+        if self.prompt_tokens is None:
+            return None
+        ids = self.input_ids.tolist()
+        return ids[:self.prompt_tokens], ids[self.prompt_tokens:]
 
 
 @dataclass(frozen=True)
@@ -235,41 +262,67 @@ def _check_head(model: nn.Module, head: OutputHead, input_ids: Tensor) -> None:
     _agreement("the output head recomputed from hidden states", recomputed, logits, dtype)
 
 
+def captured_hidden(captured: Any, model: nn.Module, ids: Tensor, prompt_tokens: int | None) -> tuple[Tensor, bool]:
+    """([T-1, H] final hidden states of ``ids``, whether captured): from ``captured`` (a
+    :class:`~harness.divergence.capture.HiddenCapture`) when it holds all of a served text's, else from a
+    forward of the model (the text run again)."""
+    if captured is not None and prompt_tokens is not None:
+        tokens = ids.tolist()
+        states = captured.states(tokens[:prompt_tokens], tokens[prompt_tokens:])
+        if states is not None:
+            assert len(states) == len(ids) - 1, "captured states do not cover the text"
+            return states, True
+    return final_hidden(model, ids), False
+
+
+def _capture_usable(captured: Any, model: nn.Module) -> Any:
+    """``captured``, or None for a mixture of experts: its router's selections are read from a forward."""
+    return None if captured is None or router.num_experts(model) else captured
+
+
 @torch.no_grad()
 def score_reference(model: nn.Module, tokenizer: Any, texts: list[str | ServedText], *, max_tokens: int,
-                    topk: int = 0, store: Store | None = None) -> list[ReferenceText]:
+                    topk: int = 0, store: Store | None = None, captured: Any = None) -> list[ReferenceText]:
     """Run the reference model over ``texts`` (plain or served) and keep what divergence needs (on CPU).
 
     ``store`` defaults to ``topk`` when ``topk > 0`` and to ``logprobs`` otherwise, so the
-    older keyword keeps its meaning; the pipeline passes ``store`` explicitly.
+    older keyword keeps its meaning; the pipeline passes ``store`` explicitly. ``captured``: the
+    reference's states from answering the items (:func:`captured_hidden`); a served text they cover
+    is not run again.
     """
     store = store or ("topk" if topk else "logprobs")
     head = OutputHead.of(model, frozen_copy=True) if store == "hidden" else None
+    captured = _capture_usable(captured, model)
     out = []
     for index, text in enumerate(texts):
         ids = tokenize(tokenizer, text, max_tokens)
         if head is not None and index == 0:
             _check_head(model, head, ids)
-        hidden = final_hidden(model, ids)
+        with router.capturing(model) as routing:  # a mixture of experts' selections (nothing for a dense model)
+            hidden, from_capture = captured_hidden(captured, model, ids, prompt_length(text, max_tokens))
         targets = ids[1:]
         live_head = OutputHead.of(model)
         target_logp, top1, full, top_ids, top_logp = [], [], [], [], []
         for a, b in _chunks(len(hidden)):
-            logp = live_head.log_probs(hidden[a:b])  # stays on the head's device: only what is stored moves
-            chunk_targets = targets[a:b, None].to(logp.device)
-            target_logp.append(logp.gather(-1, chunk_targets)[:, 0].cpu())
-            top1.append(logp.argmax(-1).cpu())
+            logits = live_head.logits(hidden[a:b])  # stays on the head's device: only what is stored moves
+            maximum, best = logits.max(-1)  # log p(target) as token_statistics computes log q(target), bit for bit
+            shifted = logits.sub_(maximum[:, None])
+            log_sum = shifted.exp().sum(-1).log()
+            chunk_targets = targets[a:b, None].to(logits.device)
+            target_logp.append((shifted.gather(-1, chunk_targets)[:, 0] - log_sum).cpu())
+            top1.append(best.cpu())
             if store == "logprobs":
-                full.append(logp.cpu())
+                full.append(shifted.sub_(log_sum[:, None]).cpu())
             elif store == "topk":
-                values, indices = logp.topk(min(topk, logp.shape[-1]), dim=-1)
+                values, indices = shifted.topk(min(topk, shifted.shape[-1]), dim=-1)
                 top_ids.append(indices.int().cpu())
-                top_logp.append(values.cpu())
+                top_logp.append((values - log_sum[:, None]).cpu())
         out.append(ReferenceText(
             ids, torch.cat(target_logp), torch.cat(top1),
             torch.cat(full) if full else None,
             torch.cat(top_ids) if top_ids else None, torch.cat(top_logp) if top_logp else None,
-            hidden.float().cpu() if store == "hidden" else None, head, prompt_length(text, max_tokens)))
+            hidden.float().cpu() if store == "hidden" else None, head, prompt_length(text, max_tokens),
+            routing or None, from_capture))
     return out
 
 
@@ -291,25 +344,74 @@ def _kl_pair(ref: ReferenceText, logq: Tensor, start: int = 0) -> tuple[Tensor, 
     return forward.float(), reverse.float()
 
 
+def token_statistics(logits_q: Tensor, logits_p: Tensor, targets: Tensor | None = None) -> dict[str, Tensor]:
+    """Per-token KL(p||q), KL(q||p), log q(target) and q's top-1 from both sides' logits, one pass per side.
+
+    ``logits_p`` may be the reference's logits or any per-row shift of them (its log-probs). With m
+    a row's maximum, S = sum exp(z - m) and d = (z_p - m_p) - (z_q - m_q):
+    KL(p||q) = E_p[d] - log(S_p / S_q) and KL(q||p) = log(S_p / S_q) - E_q[d]. Each side's
+    exponentials are taken once and the expectations are dot products, about 10 passes over
+    [tokens, vocabulary] where the two-log-softmax form made about 20; d is small where the models
+    agree, so no two large log-normalisers cancel (closer to a float64 computation than that form,
+    benchmarks/bench_divergence.py). Top-1 is the maximum's index; identical logits give exactly 0.
+    ``logits_q`` and ``logits_p`` are float32 and are not modified.
+    """
+    m_q, top1 = logits_q.max(-1)
+    m_p = logits_p.amax(-1)
+    shifted_q = logits_q - m_q[:, None]
+    shifted_p = logits_p - m_p[:, None]
+    d = shifted_p - shifted_q
+    out = {"top1_quant": top1}
+    target_shifted = None if targets is None else shifted_q.gather(-1, targets[:, None].to(logits_q.device))[:, 0]
+    e_q, e_p = shifted_q.exp_(), shifted_p.exp_()
+    s_q, s_p = e_q.sum(-1), e_p.sum(-1)
+    log_s_q = s_q.log()
+    c = s_p.log() - log_s_q
+    out["kl"] = torch.linalg.vecdot(e_p, d) / s_p - c
+    out["kl_reverse"] = c - torch.linalg.vecdot(e_q, d) / s_q
+    if target_shifted is not None:
+        out["logq_target"] = target_shifted - log_s_q
+    return out
+
+
 @torch.no_grad()
-def compare_to_reference(model: nn.Module, reference: list[ReferenceText], slice_name: str) -> pd.DataFrame:
-    """One row per scored token: the columns of ``TOKEN_COLUMNS``."""
+def compare_to_reference(model: nn.Module, reference: list[ReferenceText], slice_name: str,
+                         captured: Any = None) -> pd.DataFrame:
+    """One row per scored token: the columns of ``TOKEN_COLUMNS``.
+
+    ``captured``: the quantized model's states from answering the items (:func:`captured_hidden`);
+    a served text they cover is not run again, where the reference's states were captured too
+    (:attr:`ReferenceText.captured`: both sides then compute alike).
+    """
     frames = []
+    captured = _capture_usable(captured, model)
     head = OutputHead.of(model)
     device = module_device(head.lm_head)  # a split model's head may live on another device than its input
     for index, ref in enumerate(reference):
         if ref.head is not None:
             ref.head.to(device)  # the frozen reference head computes where the quantized one does
-        hidden = final_hidden(model, ref.input_ids)
-        targets = ref.input_ids[1:].to(hidden.device)
+        with router.capturing(model) as routing:
+            hidden, _ = captured_hidden(captured if getattr(ref, "captured", False) else None, model, ref.input_ids,
+                                        ref.prompt_tokens)
+        router.record_slice(model, slice_name, getattr(ref, "routing", None), routing)  # MoE router agreement
+        targets = ref.input_ids[1:]
         parts: dict[str, list[Tensor]] = {"target": [], "kl": [], "kl_reverse": [], "top1": []}
         for a, b in _chunks(len(hidden)):
-            logq = head.log_probs(hidden[a:b])
-            parts["target"].append(logq.gather(-1, targets[a:b, None].to(logq.device))[:, 0].cpu())
-            kl, kl_reverse = _kl_pair(ref, logq, a)
+            logits_q = head.logits(hidden[a:b])
+            if ref.topk_ids is None:
+                stats = token_statistics(logits_q, ref.logits(a, b, logits_q.device), targets[a:b])
+                kl, kl_reverse = stats["kl"], stats["kl_reverse"]
+                target, top1 = stats["logq_target"], stats["top1_quant"]
+            else:  # the lumped top-k KL; NLL and top-1 computed as token_statistics does (bit for bit)
+                logq = torch.log_softmax(logits_q, dim=-1)
+                kl, kl_reverse = _kl_pair(ref, logq, a)
+                maximum, top1 = logits_q.max(-1)
+                shifted = logits_q - maximum[:, None]
+                target = shifted.gather(-1, targets[a:b, None].to(shifted.device))[:, 0] - shifted.exp_().sum(-1).log()
+            parts["target"].append(target.cpu())
             parts["kl"].append(kl.cpu())
             parts["kl_reverse"].append(kl_reverse.cpu())
-            parts["top1"].append(logq.argmax(-1).cpu())
+            parts["top1"].append(top1.cpu())
         target_logq = torch.cat(parts["target"]).double()
         frames.append(pd.DataFrame({
             "slice": slice_name,

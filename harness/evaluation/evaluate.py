@@ -3,8 +3,10 @@
 lm-eval is wrapped once, here: the model is handed to ``HFLM`` as an object, the slice's
 directory is the TaskManager's include path (the ~14,700-task registry is only indexed
 for registry slices), and the item-set settings travel as task metadata to the slice's
-generator. Per-item records keep a stable item id, slice, sub-slice, cluster, score and
-the model's response, so two models' records join on the item id.
+generator. Per-item records keep a stable item id, slice, sub-slice, cluster, stratum, score and
+the model's response, so two models' records join on the item id. The stratum and cluster are
+the item's fields of those names, or those a slice's config names (``stratum_field``,
+``cluster_field``); without them every item is its own cluster and there are no strata.
 """
 from __future__ import annotations
 
@@ -27,8 +29,9 @@ log = logging.getLogger(__name__)
 
 # doc_id: the item's index in its task's documents (lm-eval's doc_id of a full evaluation), by which a
 # sequential evaluation (harness.evaluation.sequential) asks lm-eval for a round's items (``samples``)
+# stratum / cluster: the item's sampling design (docs/explanation/strata.md); "" stratum: none declared
 RECORD_COLUMNS = ["item_id", "slice", "task", "sub_slice", "cluster", "output_type", "correct", "response", "target",
-                  "prompt", "reply", "doc_id"]
+                  "prompt", "reply", "doc_id", "stratum"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,10 @@ def _harness_hflm() -> type:
     )
 
     class HarnessHFLM(HFLM):
+        # set by the caller for a slice, so the divergence stage runs no prompt again
+        hidden_capture = None  # a harness.divergence.capture.HiddenCapture: keeps the answering forwards' states
+        teacher = None  # prompt token ids -> the reference's reply ids, teacher-forced after the prompt's prefill
+
         def _loglikelihood_tokens(self, requests, disable_tqdm=False, override_bs=None):
             if self.backend != "causal":
                 return super()._loglikelihood_tokens(requests, disable_tqdm, override_bs)
@@ -109,7 +116,8 @@ def _harness_hflm() -> type:
                 answers = halve_on_oom(
                     lambda a, b: shared_context_logprobs(self.model, list(context), choices[a:b],
                                                          pad_token_id=self.tokenizer.pad_token_id or 0,
-                                                         device=self.device, softmax_dtype=self.softmax_dtype),
+                                                         device=self.device, softmax_dtype=self.softmax_dtype,
+                                                         capture=self.hidden_capture),
                     len(choices), lambda parts: [answer for part in parts for answer in part], what="choices")
                 for i, answer in zip(members, answers):
                     results[i] = answer
@@ -146,7 +154,8 @@ def _harness_hflm() -> type:
                 return super()._model_generate(context, max_length, stop, **generation_kwargs)
             return greedy_generate(self.model, context, mask, max_new_tokens=max_length - context.shape[1],
                                    pad_token_id=self.tokenizer.pad_token_id, stop=[s for s in stop if s],
-                                   decode=lambda ids: self.tok_decode(ids, skip_special_tokens=False))
+                                   decode=lambda ids: self.tok_decode(ids, skip_special_tokens=False),
+                                   capture=self.hidden_capture, teacher=self.teacher)
 
     return HarnessHFLM
 
@@ -251,7 +260,7 @@ def run_lm_eval(lm: Any, slice_: Slice, settings: EvalSettings, checkpoint: str 
 
     # sqlitedict's writer thread logs a stack for a failed write (a full disk) and re-raises it here anyway
     logging.getLogger("sqlitedict").setLevel(logging.CRITICAL)
-    manager = task_manager(slice_, settings)
+    manager = task_manager(slice_, settings) if samples is None else round_task_manager(lm, slice_, settings)
     done_before, planned = progress_offset or (0, None)
     tasks = list(slice_.config.tasks) if samples is None else [t for t in slice_.config.tasks if samples.get(t)]
     with progress.lm_eval_requests(lm, slice_.name, done_before, planned), versions_only_env_info():
@@ -264,6 +273,33 @@ def run_lm_eval(lm: Any, slice_: Slice, settings: EvalSettings, checkpoint: str 
             fewshot_random_seed=settings.seed, use_cache=None if checkpoint is None else str(checkpoint))
     lm.set_cache_hook(CacheHook(None))  # a later call on this lm must not write into this checkpoint
     return results
+
+
+def round_task_manager(lm: Any, slice_: Slice, settings: EvalSettings) -> Any:
+    """:func:`task_manager` for a sequential evaluation's rounds: built once per slice, with the tasks it loads kept.
+
+    Every round asks lm-eval for some documents of the same tasks; loading a task generates the slice's
+    items and prepares its dataset, which the rounds would otherwise redo each time (+17 % of
+    an int8 job). lm-eval re-applies its per-call settings (few-shot count and seed) to the kept tasks
+    and builds each round's requests afresh. Held on ``lm`` (the evaluating model's wrapper), for its
+    latest slice only.
+    """
+    key = (slice_.name, id(slice_), settings)
+    held = getattr(lm, "_harness_round_manager", None)
+    if held is not None and held[0] == key:
+        return held[1]
+    manager = task_manager(slice_, settings)
+    load, kept = manager.load, {}
+
+    def load_once(tasks: Any, *args: Any, **kwargs: Any) -> dict:
+        name = repr((tasks, args, sorted(kwargs.items())))
+        if name not in kept:
+            kept[name] = load(tasks, *args, **kwargs)
+        return kept[name]
+
+    manager.load = load_once
+    lm._harness_round_manager = (key, manager)
+    return manager
 
 
 def task_manager(slice_: Slice, settings: EvalSettings) -> Any:
@@ -344,6 +380,8 @@ def records_from_results(results: dict, slice_: Slice) -> tuple[pd.DataFrame, di
         metric_names = [m["metric"] for m in task_cfg.get("metric_list", [])] or ["acc", "exact_match"]
         chosen = _chosen_filter(task, all_samples, slice_.config.filter)
         samples = [sample for sample in all_samples if sample.get("filter") == chosen]
+        cluster_field = slice_.config.cluster_field or "cluster"
+        stratum_field = slice_.config.stratum_field or "stratum"
         rows = []
         for sample in samples:
             doc = sample["doc"]
@@ -352,13 +390,14 @@ def records_from_results(results: dict, slice_: Slice) -> tuple[pd.DataFrame, di
                 "slice": slice_.name,
                 "task": task,
                 "sub_slice": str(doc.get("sub_slice", "all")),
-                "cluster": str(doc.get("cluster", doc.get("id", sample["doc_id"]))),
+                "cluster": str(doc.get(cluster_field, doc.get("id", sample["doc_id"]))),
                 "output_type": output_type,
                 "correct": _metric(sample, metric_names),
                 "response": _response(sample, output_type),
                 "target": str(sample.get("target", "")),
                 **dict(zip(("prompt", "reply"), _served(sample, output_type))),
                 "doc_id": int(sample["doc_id"]),
+                "stratum": "" if doc.get(stratum_field) is None else str(doc[stratum_field]),
             })
         frames.append(pd.DataFrame(rows, columns=RECORD_COLUMNS))
         task_results = results["results"][task]

@@ -21,16 +21,25 @@ lm-eval's greedy ``generate_until`` requests (``eval.generator=harness``, the de
 :func:`halve_on_oom` runs a batch again as two halves when it meets a CUDA out-of-memory error
 (recursively, down to one row): lm-eval's ``batch_size=auto`` sizes batches once, and a long
 item later can still not fit. Rows are independent, so the halves give the rows' results.
+
+Both can keep, for the divergence stage, the final hidden states of the forwards that answer an
+item (``capture``: a :class:`harness.divergence.capture.HiddenCapture`): the prompt's prefill, each
+decode step, and, given a ``teacher`` reply for the prompt (the reference's, on the quantized side),
+that reply teacher-forced from a copy of the prompt's KV cache right after the prefill; the answer
+itself is computed exactly as without them (one prefill per prompt per model).
 """
 from __future__ import annotations
 
 import inspect
 import logging
+import copy
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
+
+from harness.divergence.capture import HiddenCapture
 
 log = logging.getLogger("harness")
 T = TypeVar("T")
@@ -117,16 +126,91 @@ def _stop_check(stop: Sequence[str], decode: Callable[[list[int]], str]) -> Call
     return stopped
 
 
+def _last_hidden(output: Any) -> Tensor:
+    return output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
+
+def _capturing(model: nn.Module, into: list[Tensor]) -> Any:
+    """A hook on the model's decoder that appends each forward's final (post-norm) hidden states to ``into``.
+
+    The decoder computes them at every position even when the head keeps one (``logits_to_keep``)."""
+    return model.get_decoder().register_forward_hook(lambda _module, _args, output: into.append(_last_hidden(output)))
+
+
+Teacher = Callable[[tuple[int, ...]], Sequence[int] | None]  # a prompt's token ids -> the reply to teacher-force
+
+
+def _record_prefill(capture: HiddenCapture, input_ids: Tensor, mask: Tensor, hidden: Tensor) -> list[Any]:
+    """Each row's prompt states (the unpadded positions); the rows' capture entries (None: prompt already kept)."""
+    rows = []
+    for row in range(input_ids.shape[0]):
+        valid = mask[row].bool()
+        rows.append(capture.add(input_ids[row][valid].tolist(), hidden[row][valid.to(hidden.device)]))
+    return rows
+
+
+def _teacher_force(model: nn.Module, cache: Any, cache_kw: str, prefill_kw: dict, input_ids: Tensor, mask: Tensor,
+                   positions: Tensor, entries: list[Any], teacher: Teacher, seen: list[Tensor]) -> None:
+    """Run each row's teacher reply (of >= 2 tokens) after its prompt, from a copy of the batch's KV cache.
+
+    The reply's tokens but the last (which predicts nothing) run right-padded and masked; their
+    states become the entry's continuation for that reply. The batch's own cache is left untouched.
+    """
+    wanted = []
+    for row, entry in enumerate(entries):
+        if entry is not None:
+            reply = teacher(tuple(input_ids[row][mask[row].bool()].tolist()))
+            if reply is not None and len(reply) >= 2:
+                wanted.append((row, tuple(int(t) for t in reply)))
+    if not wanted:
+        return
+    device = input_ids.device
+    index = torch.tensor([row for row, _ in wanted], device=device)
+    forced = copy.deepcopy(cache)
+    forced.batch_select_indices(index.cpu())
+    width = max(len(reply) - 1 for _, reply in wanted)
+    ids = torch.zeros((len(wanted), width), dtype=input_ids.dtype, device=device)
+    tail = torch.zeros((len(wanted), width), dtype=mask.dtype, device=device)
+    for i, (_, reply) in enumerate(wanted):
+        ids[i, :len(reply) - 1] = torch.tensor(reply[:-1], dtype=input_ids.dtype, device=device)
+        tail[i, :len(reply) - 1] = 1
+    start = positions[index, -1:] + 1
+    model(input_ids=ids, attention_mask=torch.cat([mask[index], tail], dim=1),
+          position_ids=start + torch.arange(width, device=device), use_cache=True, **{cache_kw: forced}, **prefill_kw)
+    hidden = seen.pop().cpu()
+    for i, (row, reply) in enumerate(wanted):
+        entries[row].continuations[reply] = hidden[i, :len(reply) - 1]
+
+
 @torch.inference_mode()
 def greedy_generate(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *, max_new_tokens: int,
                     pad_token_id: int, stop: Sequence[str] = (), decode: Callable[[list[int]], str] | None = None,
-                    eos_token_ids: set[int] | None = None) -> Tensor:
+                    eos_token_ids: set[int] | None = None, capture: HiddenCapture | None = None,
+                    teacher: Teacher | None = None) -> Tensor:
     """Greedy decode of a left-padded batch; see the module docstring.
 
     ``stop``: strings that end a row once they appear in its decoded reply (``decode`` turns the
     reply's token ids into text; needed when ``stop`` is given). ``eos_token_ids``: tokens that
-    end a row (default: the model's generation config).
+    end a row (default: the model's generation config). ``capture``: keeps each prompt's prefill
+    and decode states, and with ``teacher`` (prompt ids -> a reply) that reply's teacher-forced
+    states (module docstring).
     """
+    if capture is None:
+        return _greedy(model, input_ids, attention_mask, max_new_tokens, pad_token_id, stop, decode, eos_token_ids,
+                       None, None, [])
+    seen: list[Tensor] = []
+    hook = _capturing(model, seen)
+    try:
+        return _greedy(model, input_ids, attention_mask, max_new_tokens, pad_token_id, stop, decode, eos_token_ids,
+                       capture, teacher, seen)
+    finally:
+        hook.remove()
+
+
+def _greedy(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, max_new_tokens: int, pad_token_id: int,
+            stop: Sequence[str], decode: Callable[[list[int]], str] | None, eos_token_ids: set[int] | None,
+            capture: HiddenCapture | None, teacher: Teacher | None, seen: list[Tensor]) -> Tensor:
+    """:func:`greedy_generate`'s decode; with ``capture``, ``seen`` receives the decoder's states of each forward."""
     if stop and decode is None:
         raise ValueError("greedy_generate: stop strings need a decode function")
     eos = _eos_ids(model) if eos_token_ids is None else set(eos_token_ids)
@@ -140,6 +224,9 @@ def greedy_generate(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
     cache_kw, prefill_kw = _forward_kwargs(model)
     logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
                    **{cache_kw: cache}, **prefill_kw).logits[:, -1]
+    entries = _record_prefill(capture, input_ids, mask, seen.pop()) if capture is not None else []
+    if teacher is not None and any(entry is not None for entry in entries):
+        _teacher_force(model, cache, cache_kw, prefill_kw, input_ids, mask, positions, entries, teacher, seen)
     rows = torch.arange(batch, device=input_ids.device)  # the original row of each active row
     replies: list[list[int]] = [[] for _ in range(batch)]
     stopped = _stop_check(stop, decode) if stop else None
@@ -166,6 +253,12 @@ def greedy_generate(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
         positions = positions[:, -1:] + 1
         logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=positions, use_cache=True,
                        **{cache_kw: cache}).logits[:, -1]
+        if capture is not None:
+            states = seen.pop()[:, -1].cpu()
+            for i, (row, tok) in enumerate(zip(rows.tolist(), token.tolist())):
+                if entries[row] is not None:
+                    entries[row].fed.append(tok)
+                    entries[row].steps.append(states[i])
     return torch.cat([input_ids, out[:, :steps]], dim=1)
 
 
@@ -173,21 +266,37 @@ def greedy_generate(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
 @torch.inference_mode()
 def shared_context_logprobs(model: nn.Module, context: list[int], continuations: Sequence[list[int]], *,
                             pad_token_id: int, device: torch.device | str,
-                            softmax_dtype: torch.dtype | None = None) -> list[tuple[float, bool]]:
+                            softmax_dtype: torch.dtype | None = None,
+                            capture: HiddenCapture | None = None) -> list[tuple[float, bool]]:
     """(log-probability, greedy) of each continuation after one shared context, the context run once.
 
     lm-eval scores a k-way multiple-choice item as k sequences ``context + choice``, so the context
     is computed k times. Here it is computed once into a KV cache, which is repeated for the k
     choices; each choice then runs as ``[context[-1]] + choice[:-1]`` (right-padded). The numbers
     are those of the full sequences up to float rounding (different matmul shapes); both sides of
-    a comparison use the same path. ``context`` needs at least 2 tokens.
+    a comparison use the same path. ``context`` needs at least 2 tokens. ``capture`` keeps the
+    context's states and each choice's (the divergence stage scores the chosen one from them).
     """
     if len(context) < 2 or not continuations or any(not c for c in continuations):
         raise ValueError("shared_context_logprobs needs a context of >= 2 tokens and non-empty continuations")
+    seen: list[Tensor] = []
+    hook = _capturing(model, seen) if capture is not None else None
+    try:
+        return _shared_context(model, context, continuations, pad_token_id, device, softmax_dtype, capture, seen)
+    finally:
+        if hook is not None:
+            hook.remove()
+
+
+def _shared_context(model: nn.Module, context: list[int], continuations: Sequence[list[int]], pad_token_id: int,
+                    device: torch.device | str, softmax_dtype: torch.dtype | None, capture: HiddenCapture | None,
+                    seen: list[Tensor]) -> list[tuple[float, bool]]:
+    """:func:`shared_context_logprobs`' forwards; with ``capture``, ``seen`` receives the decoder's states."""
     cache = _new_cache(model)
     cache_kw, prefill_kw = _forward_kwargs(model)
     prefix = torch.tensor([context[:-1]], device=device)
     model(input_ids=prefix, attention_mask=torch.ones_like(prefix), use_cache=True, **{cache_kw: cache}, **prefill_kw)
+    entry = capture.add(context, seen.pop()[0]) if capture is not None else None
     k, width = len(continuations), max(len(c) for c in continuations)
     cache.batch_repeat_interleave(k)
     ids = torch.full((k, width), pad_token_id, dtype=torch.long, device=device)
@@ -200,6 +309,10 @@ def shared_context_logprobs(model: nn.Module, context: list[int], continuations:
     positions = torch.arange(prefix.shape[1], prefix.shape[1] + width, device=device).expand(k, -1)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                    **{cache_kw: cache}).logits
+    if entry is not None:
+        states = seen.pop().cpu()
+        for row, cont in enumerate(continuations):
+            entry.continuations[tuple(int(t) for t in cont)] = states[row, :len(cont)]
     logprobs = torch.log_softmax(logits, dim=-1, dtype=softmax_dtype)
     out = []
     for row, cont in enumerate(continuations):

@@ -48,6 +48,7 @@ from harness.errors import UsageError
 from harness.evaluation import evaluate
 from harness.evaluation.slices import Slice
 from harness.stats import sequential as seqstats
+from harness.stats.strata import design
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,32 @@ def method_test(method: str):
         from harness.stats.group_sequential import spending_test
         return spending_test
     raise SequentialConfigError(f"eval.sequential_method={method!r} is unknown; use one of {list(METHODS)}")
+
+
+def run_test(method: str, diffs: np.ndarray, codes: np.ndarray, margin: float, strata: np.ndarray | None,
+             **options: Any) -> seqstats.SequentialResult:
+    """The sequential test of ``method``; the spending test's looks are stratified by ``strata`` (stratum ids,
+    None: none), the betting sequence assumes nothing of the design and takes none."""
+    if method == "spending" and strata is not None:
+        options["strata"] = strata
+    return method_test(method)(diffs, codes, margin, **options)
+
+
+def _strata(records: pd.DataFrame) -> np.ndarray | None:
+    """Stratum ids of the records (docs/explanation/strata.md); None where they declare none."""
+    if "stratum" not in records:
+        return None
+    labels = records["stratum"].astype(object).where(records["stratum"].notna(), "").astype(str)
+    return None if labels.nunique() < 2 else _codes(labels)[1]
+
+
+def _clusters_within(diffs: np.ndarray, codes: np.ndarray, strata: np.ndarray | None) -> int:
+    """G - K + 1 over the scored items: the random clusters the gate's min_clusters_pass counts."""
+    seen = np.isfinite(diffs)
+    _, clusters = np.unique(codes[seen], return_inverse=True)
+    layers = None if strata is None else np.unique(strata[seen], return_inverse=True)[1]
+    found = design(diffs[seen], clusters, layers)
+    return found.n_clusters - found.components + 1
 
 
 def check_config(cfg: RunConfig, slices: list[Slice]) -> None:
@@ -160,11 +187,13 @@ def plan_slice(ref_records: pd.DataFrame, slice_name: str, seed: int, round_item
     return SlicePlan(slice_name, labels, codes, order, seqstats.rounds(order, sizes, items), items, int(seed))
 
 
-def _may_pass(result: seqstats.SequentialResult, rule: StopRule) -> bool:
+def _may_pass(result: seqstats.SequentialResult, rule: StopRule, within: int | None = None) -> bool:
     """A pass the gate accepts: the betting sequence assumes nothing of the clusters; the score test at the
-    looks (spending) needs ``min_clusters_pass`` clusters when clusters hold several items (harness.decision.gate)."""
+    looks (spending) needs ``min_clusters_pass`` random clusters (``within``: G - K + 1 of the items scored;
+    None: the clusters scored) when clusters hold several items (harness.decision.gate)."""
     clustered = result.n_clusters < result.n
-    return rule.method == "betting" or not clustered or result.n_clusters >= rule.min_clusters_pass
+    count = result.n_clusters if within is None else within
+    return rule.method == "betting" or not clustered or count >= rule.min_clusters_pass
 
 
 def _diffs(ref_records: pd.DataFrame, answered: pd.DataFrame) -> np.ndarray:
@@ -196,6 +225,7 @@ def evaluate_sequential(lm: Any, slice_: Slice, settings: evaluate.EvalSettings,
     (``item_id``, ``seq_round`` from 1, ``seq_order`` from 0) for items.parquet (module docstring)."""
     ref_records = ref_records.reset_index(drop=True)
     plan = plan_slice(ref_records, slice_.name, seed, round_items)
+    strata = _strata(ref_records)
     margin = rule.margins[slice_.name]
     answered = pd.DataFrame(columns=evaluate.RECORD_COLUMNS)
     round_of = plan.round_of()
@@ -210,13 +240,13 @@ def evaluate_sequential(lm: Any, slice_: Slice, settings: evaluate.EvalSettings,
                                              progress_offset=(len(answered), len(ref_records)))
         _check_prompts(ref_records, records, slice_.name)
         answered = pd.concat([answered, records], ignore_index=True)
-        result = method_test(rule.method)(_diffs(ref_records, answered), plan.codes, margin, alpha=rule.alpha,
-                                       family=rule.family, seed=plan.seed, round_items=plan.round_items,
-                                       stop=False)  # the sequence at this round
+        diffs = _diffs(ref_records, answered)
+        result = run_test(rule.method, diffs, plan.codes, margin, strata, alpha=rule.alpha, family=rule.family,
+                          seed=plan.seed, round_items=plan.round_items, stop=False)  # the sequence at this round
         trajectory.append({"round": index + 1, "items": result.n, "clusters": result.n_clusters,
                            "delta": result.estimate, "lower": result.lower, "upper": result.upper})
         big_enough = result.n >= rule.min_items and result.n_clusters >= rule.min_clusters
-        if result.state == "pass" and not _may_pass(result, rule):
+        if result.state == "pass" and not _may_pass(result, rule, _clusters_within(diffs, plan.codes, strata)):
             big_enough = False  # the gate would not accept this pass (gate.min_clusters_pass): go on
         if result.state != "open" and big_enough:
             reason = (f"pass: lower bound {100 * result.lower:+.1f} pt > -{100 * margin:.1f} pt"
@@ -247,22 +277,22 @@ def gate_sequence(items: pd.DataFrame, not_evaluated: pd.DataFrame | None, recor
                   alpha: float, family: int) -> seqstats.SequentialResult:
     """The slice's confidence sequence recomputed from its answered items and the ones it skipped,
     at the gate's own α, family and margin (the job's plan: its seed and round size)."""
-    rows = items[["item_id", "cluster", "correct_ref", "correct_quant"]]
+    design_columns = ["cluster"] + (["stratum"] if "stratum" in items else [])
+    rows = items[["item_id", *design_columns, "correct_ref", "correct_quant"]]
     if not_evaluated is not None and len(not_evaluated):
-        rows = pd.concat([rows, not_evaluated[["item_id", "cluster"]].assign(correct_ref=np.nan,
-                                                                             correct_quant=np.nan)],
-                         ignore_index=True)
+        skipped = not_evaluated.reindex(columns=["item_id", *design_columns])
+        rows = pd.concat([rows, skipped.assign(correct_ref=np.nan, correct_quant=np.nan)], ignore_index=True)
     _, codes = _codes(rows["cluster"])
     diffs = rows["correct_quant"].to_numpy(float) - rows["correct_ref"].to_numpy(float)
-    return method_test(record["method"])(diffs, codes, margin, alpha=alpha, family=family,
-                                                     seed=int(record["seed"]), round_items=int(record["round_items"]),
-                                                     stop=False)
+    return run_test(record["method"], diffs, codes, margin, _strata(rows), alpha=alpha, family=family,
+                    seed=int(record["seed"]), round_items=int(record["round_items"]), stop=False)
 
 
 def not_evaluated_frame(ref_records: pd.DataFrame, answered_ids: set[str]) -> pd.DataFrame:
     """The reference's items the candidate was not asked (status "not evaluated", no score)."""
+    columns = ["item_id", "slice", "task", "sub_slice", "cluster", "output_type", "target"]
     rest = ref_records.loc[~ref_records["item_id"].isin(answered_ids),
-                           ["item_id", "slice", "task", "sub_slice", "cluster", "output_type", "target"]]
+                           columns + (["stratum"] if "stratum" in ref_records else [])]
     return rest.assign(status="not evaluated").reset_index(drop=True)
 
 

@@ -83,7 +83,15 @@ def slice_identity(slice_: Slice) -> dict[str, Any]:
         for path in sorted(slice_.directory.glob("*")):
             if path.suffix in (".py", ".yaml", ".json", ".jsonl", ".txt"):
                 files[path.name] = file_sha256(path)[:16]
-    return {"name": slice_.name, "config": dataclasses.asdict(slice_.config), "files": files}
+    return {"name": slice_.name, "config": _unset_design_dropped(dataclasses.asdict(slice_.config)), "files": files}
+
+
+DESIGN_FIELDS = ("stratum_field", "cluster_field")  # slices.<name>: unset, they leave every key as it was
+
+
+def _unset_design_dropped(slice_config: dict) -> dict:
+    """A slice config without its unset sampling-design fields, so keys of slices that set none stay the same."""
+    return {key: value for key, value in slice_config.items() if not (key in DESIGN_FIELDS and value is None)}
 
 
 def reference_key(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig) -> str:
@@ -97,6 +105,8 @@ def reference_key(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig) -> 
                 "records": 2}  # 2: records carry each item's doc_id (sequential rounds select items by it)
     if served_format(slice_, cfg):  # its divergence texts are its items' prompts + this reference's replies
         settings["divergence"] = SERVED_FORMAT
+    if not cfg.eval.divergence_plain:  # no gold texts (the keys of references that hold them stay as they were)
+        settings["plain_texts"] = False
     return stable_hash({"model": loaded.identity, "slice": slice_identity(slice_), "settings": settings}, 24)
 
 
@@ -111,6 +121,7 @@ def run_key(cfg: RunConfig, model_identity: dict | None = None) -> str:
     data = config_dict(cfg)
     for transient in TRANSIENT_SECTIONS:
         data.pop(transient, None)
+    data["slices"] = {name: _unset_design_dropped(dict(config)) for name, config in (data.get("slices") or {}).items()}
     if cfg.eval.sequential:  # where a slice stops depends on the gate's level and margins
         data["sequential_stop"] = {"alpha": cfg.gate.alpha, "margin": cfg.gate.margin, "margins": dict(cfg.gate.margins),
                                    "slices": list(cfg.gate.slices), "correction": cfg.gate.correction}
@@ -137,12 +148,12 @@ def max_divergence_tokens(slice_: Slice, cfg: RunConfig) -> int:
 def served_format(slice_: Slice, cfg: RunConfig) -> bool:
     """Whether a slice's divergence is scored on served texts (see :func:`served_texts`).
 
-    For a model evaluated through its chat template (the format it serves), and for slices that
-    set ``divergence_from_reference`` (long generation: error growth along the reference's reply).
-    Base models keep their plain gold texts. Registry slices, which have no gold texts, get
-    served texts too (from lm-eval's records).
+    For every slice by default: the headline KL is measured on what the model serves. With
+    ``eval.divergence_plain=true`` the gold texts are scored too, and base models (no chat template)
+    are then scored on them alone, as before that option existed, except slices that set
+    ``divergence_from_reference`` (long generation: error growth along the reference's reply).
     """
-    return bool(cfg.model.chat_template or slice_.config.divergence_from_reference)
+    return bool(cfg.model.chat_template or slice_.config.divergence_from_reference or not cfg.eval.divergence_plain)
 
 
 SERVED_FORMAT = "served-v1"  # in the reference key of slices scored on served texts

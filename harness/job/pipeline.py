@@ -26,7 +26,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from harness import quant
-from harness.checkpoint import candidate
+from harness.checkpoint import candidate, served
 from harness.config import RunConfig
 from harness.decision import gate, ledger
 from harness.divergence import scoring as divergence
@@ -47,15 +47,18 @@ from harness.job.identity import (
     config_dict,
     eval_settings,
     run_key,
+    reference_key,
     run_name,
     to_config,
     tokenizer_dir,
 )
 from harness.job.reference import (
     SliceReference,
+    capture_for,
     deferred_references,
     reference_unless_busy,
     share_heads,
+    teacher_replies,
 )
 from harness.models import loading as models
 from harness.models import placement
@@ -114,6 +117,8 @@ class Evaluated:
     sequential: dict[str, dict] = field(default_factory=dict)  # eval.sequential: per slice, where it stopped and why
     placement: pd.DataFrame | None = None  # eval.sequential: item_id, seq_round, seq_order of the answered items
     waited: dict[str, SliceReference] = field(default_factory=dict)  # references waited for before a round
+    # per slice, the states of the forwards that answered its items (HiddenCapture; no prompt run twice)
+    captured: dict[str, Any] = field(default_factory=dict)
 
 
 def job_config(cfg: DictConfig | RunConfig) -> RunConfig:
@@ -142,6 +147,7 @@ class Job:
     loaded: models.LoadedModel  # the reference model, as loaded
     key: str
     results_dir: Path
+    served: served.ServedCandidate | None = None  # candidate.endpoint / candidate.serve
 
     @property
     def checkpoint(self) -> Path:
@@ -189,15 +195,22 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
                                                 job.runtime["threads"])
         ready = {s.name: r for s in job.checked.slices
                  if (r := reference_unless_busy(job.loaded, s, job.cfg, job.cache)) is not None}
-    candidate_stage = external_candidate if job.cfg.candidate.path else quantized_candidate
+    candidate_stage = served_candidate if job.cfg.candidate.endpoint or job.cfg.candidate.serve else \
+        external_candidate if job.cfg.candidate.path else quantized_candidate
     with job.timings.stage("quantize"):
         judged = candidate_stage(job)
     evaluate_stage = evaluate_in_rounds if job.cfg.eval.sequential else evaluate_slices
-    with job.timings.stage("evaluate"):
-        evaluated = evaluate_stage(judged.loaded, job, ready)
+    try:
+        with job.timings.stage("evaluate"):
+            evaluated = evaluate_stage(judged.loaded, job, ready)
+    finally:
+        if job.served is not None:  # a server the harness started stops here, also on a failure
+            job.served.stop()
     references, deferred = gather_references(job, {**ready, **evaluated.waited}, background)
     with job.timings.stage("divergence"), background_reference.scoring_threads(background, job.runtime["threads"]):
-        tokens = pd.concat([divergence.compare_to_reference(judged.loaded.model, references[s.name].texts, s.name)
+        tokens = pd.DataFrame(columns=divergence.TOKEN_COLUMNS) if job.served else \
+            pd.concat([divergence.compare_to_reference(judged.loaded.model, references[s.name].texts, s.name,
+                                                            captured=evaluated.captured.pop(s.name, None))
                             for s in job.checked.slices], ignore_index=True)
     result = write_results(job, judged, references, evaluated, tokens, started_at, deferred)
     if job.cfg.gate.enabled:  # gate.json + gate.xml beside the results (a sweep gates every run)
@@ -237,6 +250,18 @@ def quantized_candidate(job: Job) -> Candidate:
     """The scheme applied to the loaded model, in place (the reference's numbers are already stored)."""
     report = quant.apply(job.loaded.model, job.cfg.quant, _quant_context(job.loaded, job.cfg, job.cache))
     return Candidate(job.loaded, report, {})
+
+
+def served_candidate(job: Job) -> Candidate:
+    """A server answers for the candidate (harness.checkpoint.served); started here when the harness serves it."""
+    job.served = served.ServedCandidate(job.cfg.candidate, job.results_dir).start()
+    return Candidate(job.loaded, job.served.quant_report(job.loaded.model), job.served.params)
+
+
+def candidate_lm(loaded: models.LoadedModel, job: Job, settings: evaluate.EvalSettings) -> Any:
+    """lm-eval's model of the candidate; a served candidate's is its endpoint, prompted by the reference's wrapper."""
+    lm = evaluate.make_lm(loaded.model, loaded.tokenizer, settings, checkpoint=job.cfg.candidate.path)
+    return lm if job.served is None else job.served.lm(lm)
 
 
 def external_candidate(job: Job) -> Candidate:
@@ -358,18 +383,47 @@ def prepare_results_dir(cfg: RunConfig, key: str) -> Path:
 
 
 def evaluate_slices(loaded: models.LoadedModel, job: Job, references: dict[str, SliceReference]) -> Evaluated:
-    """The candidate through lm-eval, every item of every slice, resuming from the job's checkpoint."""
-    settings = eval_settings(job.cfg, tokenizer_dir(loaded))
-    lm = evaluate.make_lm(loaded.model, loaded.tokenizer, settings, checkpoint=job.cfg.candidate.path)
-    records, aggregates, restored, requests = [], {}, {}, {}
-    for slice_ in job.checked.slices:
+    """The candidate through lm-eval, every item of every slice, resuming from the job's checkpoint.
+
+    The answering forwards' states are kept for the divergence stage, with the reference's replies
+    teacher-forced after each prompt (:func:`capture_for`), which needs the slice's reference first: a
+    slice whose reference is ready (here, or finished by another process meanwhile: read, returned in
+    :attr:`Evaluated.waited`) goes next; when none is, the slice another process will reach last goes
+    without it (its replies are then run again in the divergence stage), so this process never idles.
+    """
+    cfg = job.cfg
+    settings = eval_settings(cfg, tokenizer_dir(loaded))
+    lm = candidate_lm(loaded, job, settings)
+    frames, aggregates, restored, requests, waited, captured = {}, {}, {}, {}, {}, {}
+    remaining = list(job.checked.slices)
+    while remaining:
+        slice_, reference = _next_slice(job, remaining, references, lm)
+        remaining.remove(slice_)
+        if reference is not None and slice_.name not in references:
+            waited[slice_.name] = reference
         checkpoint = job.checkpoint / slice_.name
         restored[slice_.name] = evaluate.checkpoint_rows(checkpoint)
-        frame, agg = evaluate.evaluate_slice(lm, slice_, settings, checkpoint=checkpoint)
+        teacher = None if reference is None else teacher_replies(slice_, reference.records, loaded.tokenizer, cfg)
+        captured[slice_.name] = capture_for(lm, slice_, cfg, teacher)
+        frames[slice_.name], agg = evaluate.evaluate_slice(lm, slice_, settings, checkpoint=checkpoint)
         requests[slice_.name] = evaluate.checkpoint_rows(checkpoint)
-        records.append(frame)
         aggregates.update(agg)
-    return Evaluated(pd.concat(records, ignore_index=True), aggregates, restored, requests)
+    capture_for(lm, None, cfg)
+    return Evaluated(pd.concat([frames[s.name] for s in job.checked.slices], ignore_index=True), aggregates,
+                     restored, requests, waited=waited, captured=captured)
+
+
+def _next_slice(job: Job, remaining: list[Slice], references: dict[str, SliceReference],
+                lm: Any) -> tuple[Slice, SliceReference | None]:
+    """The slice to evaluate next and its reference if ready (see :func:`evaluate_slices`)."""
+    if not hasattr(lm, "hidden_capture"):  # nothing is kept on this backend: the configured order
+        return remaining[0], references.get(remaining[0].name)
+    for slice_ in remaining:
+        if slice_.name in references:
+            return slice_, references[slice_.name]
+        if job.cache.complete("reference", reference_key(job.loaded, slice_, job.cfg)):
+            return slice_, deferred_references(job.loaded, [slice_], job.cfg, job.cache)[slice_.name]
+    return remaining[-1], None
 
 
 def evaluate_in_rounds(loaded: models.LoadedModel, job: Job, references: dict[str, SliceReference]) -> Evaluated:
@@ -381,16 +435,19 @@ def evaluate_in_rounds(loaded: models.LoadedModel, job: Job, references: dict[st
     """
     cfg = job.cfg
     settings = eval_settings(cfg, tokenizer_dir(loaded))
-    lm = evaluate.make_lm(loaded.model, loaded.tokenizer, settings, checkpoint=cfg.candidate.path)
+    lm = candidate_lm(loaded, job, settings)
     rule = sequential.stop_rule(cfg, [s.name for s in job.checked.slices])
     records, aggregates, restored, requests, stops, placements = [], {}, {}, {}, {}, []
     waited: dict[str, SliceReference] = {}
+    captured: dict[str, Any] = {}
     for slice_ in sorted(job.checked.slices, key=lambda s: s.name not in references):
         checkpoint = job.checkpoint / slice_.name
         restored[slice_.name] = evaluate.checkpoint_rows(checkpoint)
         reference = references.get(slice_.name)
         if reference is None:
             reference = waited[slice_.name] = deferred_references(job.loaded, [slice_], cfg, job.cache)[slice_.name]
+        captured[slice_.name] = capture_for(lm, slice_, cfg, teacher_replies(slice_, reference.records,
+                                                                             loaded.tokenizer, cfg))
         frame, agg, stops[slice_.name], placed = sequential.evaluate_sequential(
             lm, slice_, settings, checkpoint, reference.records, rule, cfg.eval.seed, cfg.eval.sequential_round_items)
         placements.append(placed)
@@ -398,9 +455,10 @@ def evaluate_in_rounds(loaded: models.LoadedModel, job: Job, references: dict[st
         requests[slice_.name] = evaluate.checkpoint_rows(checkpoint)
         records.append(frame)
         aggregates.update(agg)
+    capture_for(lm, None, cfg)
     return Evaluated(pd.concat(records, ignore_index=True), aggregates, restored, requests,
                      {s.name: stops[s.name] for s in job.checked.slices if s.name in stops},
-                     pd.concat(placements, ignore_index=True), waited)
+                     pd.concat(placements, ignore_index=True), waited, captured)
 
 
 def summary_record(cfg: RunConfig, key: str, comparison: summary.Comparison, quant_report: quant.QuantReport,

@@ -27,6 +27,7 @@ import torch
 
 from harness.config import RunConfig
 from harness.divergence import scoring as divergence
+from harness.divergence.capture import HiddenCapture
 from harness.evaluation import evaluate
 from harness.evaluation.slices import Slice
 from harness.infra import locks
@@ -84,19 +85,56 @@ def _compute(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig, cache: C
     lm = evaluate.make_lm(loaded.model, loaded.tokenizer, settings, checkpoint=cfg.model.path or None)
     checkpoint = entry.with_name(f"{key}.checkpoint")  # per-request results of an interrupted attempt
     restored = evaluate.checkpoint_rows(checkpoint)
-    records, aggregates = evaluate.evaluate_slice(lm, slice_, settings, checkpoint=checkpoint)
-    texts: list = [] if slice_.config.divergence_from_reference else divergence_texts(slice_, cfg, settings)
+    captured = capture_for(lm, slice_, cfg)  # the served texts' states, from the forwards that answer the items
+    try:
+        records, aggregates = evaluate.evaluate_slice(lm, slice_, settings, checkpoint=checkpoint)
+    finally:
+        capture_for(lm, None, cfg)
+    plain = cfg.eval.divergence_plain and not slice_.config.divergence_from_reference
+    texts: list = divergence_texts(slice_, cfg, settings) if plain else []
     if served_format(slice_, cfg):  # the items as served: prompt as evaluated + this reference's reply
         texts += served_texts(slice_, records, loaded.tokenizer)
     scored = divergence.score_reference(loaded.model, loaded.tokenizer, texts,
                                         max_tokens=max_divergence_tokens(slice_, cfg),
-                                        topk=cfg.eval.reference_topk, store=cfg.eval.reference_store)
+                                        topk=cfg.eval.reference_topk, store=cfg.eval.reference_store,
+                                        captured=captured)
     with cache.writing("reference", key) as tmp:
         records.to_parquet(tmp / "records.parquet")
         pd.Series(aggregates, dtype=float).to_json(tmp / "aggregates.json")
         save_reference_texts(tmp / "divergence.pt", scored, cache, loaded.key)
     evaluate.drop_checkpoint(checkpoint)
     return SliceReference(records, aggregates, scored, False, restored)
+
+
+def capture_for(lm: object, slice_: Slice | None, cfg: RunConfig,
+                teacher: dict[tuple[int, ...], tuple[int, ...]] | None = None) -> HiddenCapture | None:
+    """Have ``lm`` keep the states of the forwards that answer ``slice_``'s items; None: it cannot.
+
+    For a slice scored on served texts, on the harness's own HF wrapper (other backends keep nothing and the
+    divergence stage runs the texts again). ``teacher`` (prompt ids -> the reference's reply ids): replies to
+    teacher-force after each prompt's prefill (the quantized side). ``slice_=None`` stops keeping.
+    """
+    if not hasattr(lm, "hidden_capture"):
+        return None
+    capture = HiddenCapture() if slice_ is not None and served_format(slice_, cfg) else None
+    lm.hidden_capture = capture  # type: ignore[attr-defined]
+    lm.teacher = None if capture is None or not teacher else teacher.get  # type: ignore[attr-defined]
+    return capture
+
+
+def teacher_replies(slice_: Slice, records: pd.DataFrame, tokenizer: object,
+                    cfg: RunConfig) -> dict[tuple[int, ...], tuple[int, ...]]:
+    """The reference's reply to each prompt whose served text the divergence stage scores whole.
+
+    What the quantized side teacher-forces from a prompt's KV cache right after its prefill, so its
+    distributions on the reference's reply cost the reply's tokens only. A served text longer than
+    ``max_divergence_tokens`` (scored without the start of its prompt) is left out: it is run again.
+    """
+    if not served_format(slice_, cfg):
+        return {}
+    limit = max_divergence_tokens(slice_, cfg)
+    return {text.prompt_ids: text.reply_ids for text in served_texts(slice_, records, tokenizer)
+            if len(text.prompt_ids) + len(text.reply_ids) <= limit}
 
 
 def read_cached(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig, cache: Cache) -> SliceReference | None:

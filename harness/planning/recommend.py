@@ -2,7 +2,10 @@
 
 Which layers must stay in high precision. From the layer sensitivity (harness.planning.sensitivity: the KL
 each unit — a decoder block or one linear — causes when it alone is quantized, on the divergence
-texts), choose the units the scheme quantizes; the rest stay at 16 bits (the scheme's ``keep``):
+texts), choose the units the scheme quantizes; the rest stay at 16 bits (the scheme's ``keep``). A
+mixture-of-experts layer's experts are one unit (``granularity=linear``: ``<layer>.mlp.experts``, kept as
+``<layer>.mlp.experts.*``) or part of their block's; never one expert alone, since a scheme keeps a fused
+experts module whole or not at all (harness.quant.coverage):
 
 * ``budget.kl_mean=x``: the fewest bits per weight whose predicted mean KL is ≤ x;
 * ``budget.bits=b``: the least predicted KL at ≤ b bits per weight (of the scheme's target linears,
@@ -158,10 +161,11 @@ def solve(units: list[Unit], *, kl_budget: float | None = None, bits_budget: flo
 
 def recommended_scheme(scheme: QuantConfig, units: list[Unit], choice: Choice, name: str,
                        granularity: str) -> QuantConfig:
-    """``scheme`` with the units not chosen added to ``keep`` (a block as ``<block>.*``, a linear by name)."""
+    """``scheme`` with the units not chosen added to ``keep``: a unit of several matrices (a block, a MoE
+    layer's experts) as ``<unit>.*``, a linear by name."""
     out = copy.deepcopy(scheme)
     out.name = name
-    kept = [f"{u.name}.*" if granularity == "block" and u.linears != [u.name] else u.name
+    kept = [f"{u.name}.*" if u.linears != [u.name] else u.name
             for u, quantized in zip(units, choice.quantized) if not quantized]
     out.keep = list(scheme.keep) + kept
     return out
@@ -192,10 +196,13 @@ def _measure(model: Any, scheme: QuantConfig, reference: list, context: Any) -> 
 
 
 def unit_table(model: Any, scheme: QuantConfig, sensitivity: pd.DataFrame, granularity: str) -> list[Unit]:
-    from harness.planning.sensitivity import sensitivity_units
-    from harness.quant.base import bits_for, linear_census
+    from harness.planning.sensitivity import sensitivity_units, target_matrices
+    from harness.quant.base import linear_census
+    from harness.quant.tensor import storage_bits
 
+    assert scheme.weights is not None
     linears = sensitivity_units(model, scheme, granularity)  # type: ignore[arg-type]
+    shapes = target_matrices(model, scheme)  # Linears and per-expert matrices of fused experts alike
     kl = dict(zip(sensitivity["unit"], sensitivity["kl_mean"]))
     missing = sorted(set(linears) - set(kl))
     if missing:
@@ -204,18 +211,19 @@ def unit_table(model: Any, scheme: QuantConfig, sensitivity: pd.DataFrame, granu
     head = linear_census(model, [])[1]
     units = []
     for name, members in linears.items():
-        modules = [model.get_submodule(m) for m in members]
-        params = sum(m.weight.numel() for m in modules)
-        quant_bits = sum(m.weight.numel() * bits_for(scheme, m) for m in modules)
+        params = sum(shapes[m][0] * shapes[m][1] for m in members)
+        quant_bits = sum(shapes[m][0] * shapes[m][1] * storage_bits(scheme.weights, *shapes[m]) for m in members)
         units.append(Unit(name, members, params, quant_bits, max(float(kl[name]), 0.0), counted=head not in members))
     return units
 
 
 def uncovered_params(model: Any, scheme: QuantConfig) -> int:
-    """Parameters of the linears the scheme keeps (no unit) that count in bits per weight, at 16 bits."""
-    from harness.quant.base import linear_census, target_linears
+    """Parameters the scheme keeps at 16 bits (no unit) that count in bits per weight: from the coverage account
+    (harness.quant.coverage), as the applied scheme's bits per weight are; the kept linears but the output head
+    on a dense model, and also the routers (not Linears) of a mixture of experts."""
+    from harness.quant import coverage_of
 
-    return linear_census(model, target_linears(model, scheme)[1])[0]
+    return sum(e.numel for e in coverage_of(model, scheme).entries if e.counted and e.status != "quantized")
 
 
 def plot_frontier(frontier: pd.DataFrame, path: Path, title: str) -> None:
@@ -311,7 +319,8 @@ def recommend(cfg: Any, options: RecommendOptions, overrides: list[str] | None =
     from harness.planning.sensitivity import layer_sensitivity, reference_texts
 
     if options.granularity not in ("block", "linear"):
-        raise UsageError(f"granularity={options.granularity!r}: use block or linear")
+        raise UsageError(f"granularity={options.granularity!r}: use block or linear (granularity=expert is "
+                         "python -m harness.sensitivity's per-expert detail; a scheme keeps a layer's experts whole)")
     if (options.budget.kl_mean is None) == (options.budget.bits is None):
         raise BudgetError("give exactly one budget: budget.kl_mean=<nats> or budget.bits=<bits per weight>")
     if options.run and not options.save_as:

@@ -6,7 +6,15 @@ KL(ref‖quant) it causes on the divergence texts against a reference scored onc
 unit's parameters and module classes back exactly (bitwise) before the next one. The KV cache
 is not part of a unit (it is not a layer's weights): KV settings are ignored here.
 
-``python -m harness.sensitivity model=... quant=... slices=... [granularity=block|linear] [texts=8] [out=DIR]``
+Mixture-of-experts layers: a layer's fused experts are quantized per expert
+(:mod:`harness.quant.experts`), and their per-expert matrices ``<layer>.mlp.experts.<e>.<proj>`` belong to
+the layer's block unit (``granularity=block``) or form one unit ``<layer>.mlp.experts`` per MoE layer
+(``granularity=linear``); ``granularity=expert`` is the per-expert detail, one unit
+``<layer>.mlp.experts.<e>`` per expert (one scoring pass each; for the table only: a scheme cannot keep part
+of a fused experts module, so recommend takes block or linear). Routers are no unit: the units quantize no
+router (``quant.moe.quantize_router`` counts only in the all-at-once measurement).
+
+``python -m harness.sensitivity model=... quant=... slices=... [granularity=block|linear|expert] [texts=8] [out=DIR]``
 writes ``sensitivity.csv`` (unit, linears, kl_mean, kl_max, top1_agree, ppl_ratio; most damaging
 first), ``sensitivity.png`` (KL per unit in model order) and ``summary.json`` under
 ``<paths.results_dir>/sensitivity/<model>__<scheme>/``, and logs them to MLflow as artifacts of
@@ -34,10 +42,12 @@ from harness.divergence import scoring as divergence
 from harness.errors import UsageError
 from harness.infra.cache import atomic_write_json
 from harness.quant.base import target_linears
+from harness.quant.experts import expert_shapes, find_fused_experts, fuse_experts
 
 log = logging.getLogger(__name__)
 
-Granularity = Literal["linear", "block"]
+Granularity = Literal["linear", "block", "expert"]
+GRANULARITIES = ("block", "linear", "expert")
 KIND_TAG = "harness.kind"
 TABLE_COLUMNS = ["unit", "linears", "kl_mean", "kl_max", "top1_agree", "ppl_ratio"]
 
@@ -57,32 +67,87 @@ def block_prefixes(model: nn.Module) -> list[str]:
         return [f"{name}.{i}" for i in range(len(blocks))]
 
 
+def target_matrices(model: nn.Module, scheme: QuantConfig) -> dict[str, tuple[int, int]]:
+    """Every matrix the scheme quantizes, name → (out, in), in model order: the target Linears, and each fused
+    experts module's per-expert matrices (``<experts>.<e>.<proj>``, the Linears they become once unfused)."""
+    linears = target_linears(model, scheme)[0]
+    experts = expert_shapes(model, scheme)
+    fused = find_fused_experts(model)
+    out: dict[str, tuple[int, int]] = {}
+    for name, module in model.named_modules():
+        if name in linears:
+            out[name] = (module.out_features, module.in_features)
+        elif name in fused:
+            out.update((n, experts[n]) for n in fused[name].expert_names() if n in experts)
+    return out
+
+
+def _experts_owner(name: str, fused: dict[str, Any], per_expert: bool) -> str | None:
+    """The experts module (or, ``per_expert``, the expert ``<experts>.<e>``) a per-expert matrix belongs to."""
+    module = next((m for m in fused if name.startswith(m + ".")), None)
+    if module is None or not per_expert:
+        return module
+    return f"{module}.{name[len(module) + 1:].split('.', 1)[0]}"
+
+
 def sensitivity_units(model: nn.Module, scheme: QuantConfig, granularity: Granularity) -> dict[str, list[str]]:
-    """Unit name → the target linears it quantizes, in model order."""
-    targets = list(target_linears(model, scheme)[0])
-    if granularity == "linear":
-        return {name: [name] for name in targets}
-    if granularity != "block":
-        raise ValueError(f"granularity={granularity!r}: use 'linear' or 'block'")
+    """Unit name → the target matrices it quantizes (Linears and per-expert matrices), in model order."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity={granularity!r}: use 'linear', 'block' or 'expert'")
+    targets = list(target_matrices(model, scheme))
+    fused = find_fused_experts(model)
     units: dict[str, list[str]] = {}
+    if granularity in ("linear", "expert"):
+        for name in targets:
+            units.setdefault(_experts_owner(name, fused, granularity == "expert") or name, []).append(name)
+        return units
     prefixes = block_prefixes(model)
     for name in targets:
-        owner = next((p for p in prefixes if name.startswith(p + ".")), name)  # a linear outside blocks: alone
+        owner = next((p for p in prefixes if name.startswith(p + ".")), None)
+        owner = owner or _experts_owner(name, fused, False) or name  # outside blocks: alone (experts as one)
         units.setdefault(owner, []).append(name)
     return units
 
 
-def unit_scheme(scheme: QuantConfig, linears: list[str]) -> QuantConfig:
-    """The scheme restricted to exactly these linears (by full name), without KV-cache quantization."""
+def unit_scheme(scheme: QuantConfig, linears: list[str], model: nn.Module | None = None) -> QuantConfig:
+    """The scheme restricted to exactly these matrices (by full name), without KV-cache quantization.
+
+    Quantizing one unit leaves the rest of the model unquantized on purpose, so the unit's scheme allows
+    uncovered weights, and quantizes no router. With ``model``, a unit holding every matrix of a fused
+    experts module (all of them selected by the scheme) names them by one pattern ``<experts>.*``: hundreds
+    of exact names per layer would make each target match slow on a 128-expert model.
+    """
     unit = copy.deepcopy(scheme)
-    unit.targets = list(linears)
+    unit.targets = _compress(scheme, linears, model) if model is not None else list(linears)
     unit.kv_cache = None
+    unit.allow_uncovered = True
+    if getattr(unit, "moe", None) is not None:
+        unit.moe.quantize_router = False
     return unit
 
 
-def _scope(linears: list[str], prefixes: list[str]) -> str:
-    """The smallest module a unit's method may touch: its block (norms absorb SmoothQuant/AWQ scales)."""
-    return next((p for p in prefixes if linears[0].startswith(p + ".")), linears[0])
+def _compress(scheme: QuantConfig, linears: list[str], model: nn.Module) -> list[str]:
+    """``linears`` as target patterns: ``<experts>.*`` for a fused experts module whose every matrix is in the
+    unit and selected by the scheme (then the pattern selects exactly them), exact names for the rest."""
+    fused = find_fused_experts(model)
+    if not fused:
+        return list(linears)
+    selected = set(expert_shapes(model, scheme))
+    groups: dict[str, list[str]] = {}
+    for name in linears:
+        groups.setdefault(_experts_owner(name, fused, False) or name, []).append(name)
+    patterns: list[str] = []
+    for owner, names in groups.items():
+        whole = owner in fused and set(names) == set(fused[owner].expert_names()) <= selected
+        patterns += [f"{owner}.*"] if whole else names
+    return patterns
+
+
+def _scope(linears: list[str], prefixes: list[str], fused: dict[str, Any] | None = None) -> str:
+    """The smallest module a unit's method may touch: its block (norms absorb SmoothQuant/AWQ scales), else
+    its fused experts module, else the linear itself."""
+    block = next((p for p in prefixes if linears[0].startswith(p + ".")), None)
+    return block or _experts_owner(linears[0], fused or {}, False) or linears[0]
 
 
 class _Snapshot:
@@ -101,6 +166,13 @@ class _Snapshot:
                     module.__dict__.pop(attribute, None)
         for param, saved in self.params:
             param.data = saved
+
+
+def restore(model: nn.Module, snapshot: _Snapshot) -> None:
+    """Put the model back: experts an activation scheme left unfused are fused back first (their modules
+    return), then the snapshot's parameters and classes."""
+    fuse_experts(model)
+    snapshot.restore()
 
 
 class _Uncached:
@@ -135,15 +207,16 @@ def layer_sensitivity(model: nn.Module, scheme: QuantConfig, reference: list[div
         prefixes = block_prefixes(model)
     except ValueError:
         prefixes = []  # no blocks: each linear is its own scope
+    fused = find_fused_experts(model)
     rows = []
     start = time.perf_counter()
     for index, (unit, linears) in enumerate(units.items()):
-        snapshot = _Snapshot(model.get_submodule(_scope(linears, prefixes)))
+        snapshot = _Snapshot(model.get_submodule(_scope(linears, prefixes, fused)))
         try:
-            quant.apply(model, unit_scheme(scheme, linears), None if context is None else _Uncached(context))
+            quant.apply(model, unit_scheme(scheme, linears, model), None if context is None else _Uncached(context))
             scores = _score(divergence.compare_to_reference(model, reference, "sensitivity"))
         finally:
-            snapshot.restore()
+            restore(model, snapshot)
         rows.append({"unit": unit, "linears": len(linears), **scores})
         log.info("sensitivity %d/%d %s: KL %.5f (%.0fs)", index + 1, len(units), unit, scores["kl_mean"],
                  time.perf_counter() - start)
@@ -211,13 +284,14 @@ def run_sensitivity(cfg: RunConfig, granularity: Granularity = "block", n_texts:
     model = prepared.loaded.model
     reference = reference_texts(prepared.loaded, cfg, n_texts)
     table = layer_sensitivity(model, prepared.scheme, reference, granularity=granularity, context=prepared.context)
-    snapshot = _Snapshot(model)  # the whole scheme at once, for scale
+    snapshot = _Snapshot(model)  # the whole scheme at once, for scale (routers too, if the scheme quantizes them)
+    whole = copy.deepcopy(prepared.scheme)
+    whole.kv_cache = None
     try:
-        quant.apply(model, unit_scheme(prepared.scheme, list(target_linears(model, prepared.scheme)[0])),
-                    prepared.context)
+        quant.apply(model, whole, prepared.context)
         all_layers = _score(divergence.compare_to_reference(model, reference, "sensitivity"))
     finally:
-        snapshot.restore()
+        restore(model, snapshot)
     directory = directory or output_dir(cfg, "sensitivity")
     directory.mkdir(parents=True, exist_ok=True)
     summary = {"model": cfg.model.name, "scheme": cfg.quant.name, "method": cfg.quant.method,
@@ -251,20 +325,21 @@ def _track_sensitivity(directory: Path, cfg: RunConfig, summary: dict[str, Any])
 
 @dataclass
 class SensitivityOptions:
-    granularity: str = field(default="block", metadata={"help": "unit quantized alone: block | linear"})
+    granularity: str = field(default="block", metadata={"help": "unit quantized alone: block | linear (a MoE "
+                                                                 "layer's experts as one) | expert (each expert)"})
     texts: int = field(default=8, metadata={"help": "divergence texts scored per unit"})
     out: Optional[str] = field(default=None, metadata={"help": "output directory (None: "
                                                                "<paths.results_dir>/sensitivity/<model>__<scheme>)"})
 
 
 TOOL = cli.Tool(prog="python -m harness.sensitivity", options=SensitivityOptions, run_config=True,
-                summary="KL(ref||quant) caused by quantizing one decoder block or linear at a time with the scheme "
+                summary="KL(ref||quant) caused by quantizing one decoder block, linear or expert at a time with the scheme "
                         "(model=... quant=... slices=...); most damaging first.")
 
 
 def _sensitivity(parsed: cli.Parsed[SensitivityOptions]) -> None:
     options = parsed.options
-    if options.granularity not in ("block", "linear"):
+    if options.granularity not in GRANULARITIES:
         raise UsageError(f"granularity={options.granularity!r}: use granularity=block or granularity=linear")
     if options.texts < 1:
         raise UsageError(f"texts={options.texts}: score at least one divergence text (texts=8)")

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from harness.infra.devices import compute_device, set_thread_device
+from harness.quant.experts import UnfusedExperts
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,8 @@ class Adapter:
         """
         out = []
         for group in self.groups:
+            if not has_modules(block, group):  # a MoE family's dense blocks lack the expert groups, and back
+                continue
             prev = block.get_submodule(group.prev)
             if isinstance(prev, nn.Linear):
                 sizes = {block.get_submodule(n).in_features for n in group.linears}
@@ -97,6 +100,16 @@ class Adapter:
 _ADAPTERS: dict[str, Adapter] = {}
 
 
+def has_modules(block: nn.Module, group: LinearGroup) -> bool:
+    """Whether ``block`` has every module ``group`` names (prev, linears, inspected)."""
+    for name in (group.prev, group.inspect, *group.linears):
+        try:
+            block.get_submodule(name)
+        except AttributeError:
+            return False
+    return True
+
+
 def register_adapter(adapter: Adapter) -> Adapter:
     for model_type in adapter.model_types:
         _ADAPTERS[model_type] = adapter
@@ -104,7 +117,14 @@ def register_adapter(adapter: Adapter) -> Adapter:
 
 
 def get_adapter(model: nn.Module) -> Adapter:
-    """The adapter for ``model.config.model_type``; the error lists the known families."""
+    """The adapter for ``model.config.model_type``; the error lists the known families.
+
+    A mixture-of-experts model whose experts are unfused (:mod:`harness.quant.experts`) gets an adapter built
+    for its number of experts.
+    """
+    moe = moe_adapter(model)
+    if moe is not None:
+        return moe
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in _ADAPTERS:
         raise ValueError(
@@ -139,6 +159,41 @@ GEMMA3 = register_adapter(Adapter(
         LinearGroup("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
     ),
 ))
+
+
+# Families whose blocks are llama-style attention + a sparse MoE block ``mlp`` (router ``mlp.gate``, experts
+# ``mlp.experts``) fed by ``post_attention_layernorm``; dense blocks (Qwen3-MoE's mlp_only_layers) are llama MLPs.
+# Qwen2-MoE (its shared expert runs before the router), gpt-oss (its up projection is clamped: AWQ cannot fold
+# into it) and DeepSeek-V3 (MLA attention) have no calibration adapter yet; RTN-family schemes cover them.
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe")
+
+
+def moe_adapter(model: nn.Module) -> Any:
+    """The calibration adapter of an unfused MoE model of :data:`MOE_FAMILIES` (None for other models).
+
+    The norm feeding the MoE block has one group holding all its consumers, the router first (AWQ records
+    the group's input statistics on its first member, which sees every token, and folds ``1/s`` into the
+    norm and ``s`` into every consumer, the router included; SmoothQuant likewise); then one group
+    ``experts.<e>.up_proj → experts.<e>.down_proj`` per expert, whose statistics are the routed tokens'.
+    GPTQ splits the shared group per expert (:func:`expert_stages`).
+    """
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    experts = [m for m in model.modules() if isinstance(m, UnfusedExperts)]
+    if model_type not in MOE_FAMILIES or not experts:
+        return None
+    count = max(len(m) for m in experts)
+    attn = "self_attn"
+    gate_up = tuple(f"mlp.experts.{e}.{p}" for e in range(count) for p in ("gate_proj", "up_proj"))
+    groups = [
+        LinearGroup("input_layernorm", (f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"), attn),
+        LinearGroup(f"{attn}.v_proj", (f"{attn}.o_proj",), f"{attn}.o_proj"),
+        LinearGroup("post_attention_layernorm", ("mlp.gate",) + gate_up, "mlp"),
+        *[LinearGroup(f"mlp.experts.{e}.up_proj", (f"mlp.experts.{e}.down_proj",), f"mlp.experts.{e}.down_proj")
+          for e in range(count)],
+        LinearGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),  # dense blocks
+        LinearGroup("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
+    ]
+    return Adapter(name=f"{model_type} (unfused experts)", model_types=(model_type,), groups=tuple(groups))
 
 
 # ------------------------------------------------------------------------------- running blocks

@@ -51,6 +51,7 @@ from harness.quant.adapters import (
     small_ops_threads,
 )
 from harness.quant.base import QuantReport, bits_for, register_method, target_linears
+from harness.quant.experts import expert_index, moe_settings, record_fallback
 from harness.quant.tensor import SchemeError, fake_quantize
 
 log = logging.getLogger(__name__)
@@ -323,6 +324,7 @@ def quantize_awq(model: nn.Module, scheme: QuantConfig, tokens: Tensor, device: 
     hidden = inputs.hidden
     outcome = AWQOutcome(changed, {}, {}, {})
     progress = BlockProgress("awq", len(blocks))
+    min_tokens = moe_settings(scheme).min_tokens
     for index, block in enumerate(blocks):
         prefix = adapter.block_name(index)
         block_targets = {n: m for n, m in targets.items() if n.startswith(prefix + ".")}
@@ -342,6 +344,12 @@ def quantize_awq(model: nn.Module, scheme: QuantConfig, tokens: Tensor, device: 
                 for handle in handles:
                     handle.remove()
             clock = _tick(outcome, "statistics", clock)
+            # an expert whose down projection saw fewer routed tokens than quant.moe.min_tokens: no scale, no clip
+            few = [g for g in foldable if expert_index(g.linears[0]) is not None
+                   and captures[g.prev].count < min_tokens]
+            for group in few:
+                record_fallback(report, prefix, group.linears[0], "awq", min_tokens)
+            foldable, groups = [g for g in foldable if g not in few], [g for g in groups if g not in few]
             _process_block(block, prefix, adapter, foldable, captures, targets, spec, settings, outcome)
             clock = _tick(outcome, "search", clock)
             if apply_quantization:

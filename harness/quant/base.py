@@ -12,7 +12,6 @@ A method or format outside the package registers itself from a module listed in 
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import importlib
 import math
 from dataclasses import asdict, dataclass, field
@@ -23,6 +22,8 @@ from torch import Tensor, nn
 
 from harness.config import QuantConfig
 from harness.quant.calibration import validate_calibration
+from harness.quant.coverage import check_coverage, coverage_account
+from harness.quant.experts import expert_shapes, find_routers, moe_settings, name_matches
 from harness.quant.kv import validate_kv_cache
 from harness.quant.tensor import (
     SchemeError,
@@ -55,6 +56,8 @@ class QuantReport:
     input_embedding: tuple[int, int] | None = None  # (vocab, hidden) of an untied input embedding: decode gathers it
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    coverage: Any = None  # harness.quant.coverage.CoverageAccount: every parameter's status
+    moe: dict[str, Any] = field(default_factory=dict)  # experts: fused modules, fallback_experts, routers
 
     def add_layer(self, name: str, original: Tensor, quantized: Tensor, bits_per_weight: float) -> None:
         original, quantized = original.detach().float(), quantized.detach().float()
@@ -77,10 +80,19 @@ class QuantReport:
     def summary(self) -> dict[str, float]:
         params = max(self.total_params, 1)
         finite = [l.sqnr_db for l in self.layers if math.isfinite(l.sqnr_db)]
+        coverage = self.coverage.metrics() if self.coverage is not None else {}
         return {
-            "bits_per_weight": bits_per_weight([(l.out_features * l.in_features, l.bits_per_weight)
-                                                for l in self.layers if l.name != self.output_head],
-                                               self.kept_params, self.high_precision_bits),
+            # from the coverage account when there is one: every matrix-shaped weight (experts and routers
+            # included), the embeddings and the output head out; on a dense model the same number as below
+            "bits_per_weight": coverage["coverage_bits_per_weight"] if coverage else
+            bits_per_weight([(l.out_features * l.in_features, l.bits_per_weight)
+                             for l in self.layers if l.name != self.output_head],
+                            self.kept_params, self.high_precision_bits),
+            **coverage,
+            # the whole account (rows by status, rule and module kind; uncovered modules) for summary.json
+            **({"coverage": self.coverage.to_dict()} if self.coverage is not None else {}),
+            **({"moe_fallback_experts": self.moe.get("fallback_experts", 0)} if self.moe else {}),
+            **self._router_summary(),
             "bits_per_param_total": self.weight_bits / params,
             "weight_gb": self.weight_bits / 8 / 1e9,
             "quantized_fraction": self.quantized_params / params,
@@ -92,6 +104,19 @@ class QuantReport:
 
     def to_records(self) -> list[dict[str, Any]]:
         return [asdict(l) for l in self.layers]
+
+    def _router_summary(self) -> dict[str, Any]:
+        """Router agreement with the reference on each slice's divergence texts (mixture of experts only):
+        ``router`` per slice (per layer in its detail), and means over the slices as flat metrics."""
+        if not self.moe.get("router"):
+            return {}
+        from harness.divergence.router import slice_summaries
+        slices = slice_summaries(self, self.moe.get("experts"))
+        scored = [s for s in slices.values() if "identical_mean" in s]
+        flat = {f"router_{key}": sum(s[key] for s in scored) / len(scored) if "mean" in key else
+                (min if key == "identical_min" else max)(s[key] for s in scored)
+                for key in ("identical_mean", "overlap_mean", "identical_min", "load_shift_max")} if scored else {}
+        return {"router": slices, **flat}
 
 
 def bits_per_weight(quantized: Iterable[tuple[float, float]], kept_params: float = 0.0,
@@ -269,18 +294,18 @@ def check_context(scheme: QuantConfig, context: Any) -> None:
                               "CalibrationContext to quant.apply")
 
 
-def _matches(name: str, patterns: list[str]) -> bool:
-    return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name.rsplit(".", 1)[-1], p) for p in patterns)
+_matches = name_matches  # the target-selection rule (harness.quant.experts.name_matches)
 
 
 def target_linears(model: nn.Module, scheme: QuantConfig) -> tuple[dict[str, nn.Linear], list[str]]:
     """Linear layers the scheme quantizes, and the names it keeps in high precision."""
     targets: dict[str, nn.Linear] = {}
     kept: list[str] = []
+    routers = set() if moe_settings(scheme).quantize_router else set(find_routers(model))
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
-        if _matches(name, list(scheme.keep)) or not _matches(name, list(scheme.targets)):
+        if _matches(name, list(scheme.keep)) or not _matches(name, list(scheme.targets)) or name in routers:
             kept.append(name)
         else:
             targets[name] = module
@@ -319,7 +344,12 @@ def validate_for_model(model: nn.Module, scheme: QuantConfig) -> None:
     targets, _ = target_linears(model, scheme)
     if scheme.weights is None and scheme.activations is None:
         return
-    if not targets:
+    if scheme.weights is not None:  # before anything else: a silent skip is the worst outcome
+        check_coverage(coverage_account(model, scheme, targets), bool(getattr(scheme, "allow_uncovered", False)))
+    if scheme.moe.min_tokens < 1:
+        raise SchemeError(f"quant.moe.min_tokens={scheme.moe.min_tokens} must be at least 1 (an expert needs "
+                          "calibration tokens to be solved; fewer fall back to round-to-nearest)")
+    if not targets and not expert_shapes(model, scheme):
         raise SchemeError(f"quant.targets={list(scheme.targets)} minus quant.keep={list(scheme.keep)} selects no "
                           "Linear layer of this model")
     for role, spec in (("weights", scheme.weights), ("activations", scheme.activations)):
@@ -327,6 +357,7 @@ def validate_for_model(model: nn.Module, scheme: QuantConfig) -> None:
             continue
         multiple = input_multiple(spec)
         bad = [(n, m.in_features) for n, m in targets.items() if m.in_features % multiple]
+        bad += [(n, inp) for n, (_out, inp) in expert_shapes(model, scheme).items() if inp % multiple]
         if bad:
             name, size = bad[0]
             raise SchemeError(

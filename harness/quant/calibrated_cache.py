@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from harness.config import QuantConfig
+from harness.config import MoEQuantConfig, QuantConfig
 from harness.infra.cache import stable_hash
 from harness.quant.base import LayerReport, QuantReport, get_method, method_settings
 
@@ -73,6 +73,9 @@ def scheme_identity(scheme: QuantConfig, chat: bool = False) -> dict[str, Any]:
     source = source_identity(scheme.calibration, chat)
     if source is not None:
         identity["calibration_source"] = source
+    moe = getattr(scheme, "moe", None)
+    if moe is not None and moe != MoEQuantConfig():  # mixture-of-experts options; the defaults add nothing
+        identity["moe"] = _as_json_data(moe)
     return identity
 
 

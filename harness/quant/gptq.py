@@ -41,6 +41,7 @@ from harness.quant.adapters import (
     staged_forward,
 )
 from harness.quant.base import QuantReport, bits_for, register_method, target_linears
+from harness.quant.experts import expert_fallback, expert_index, expert_stages, moe_settings
 from harness.quant.tensor import SchemeError, full_range
 
 log = logging.getLogger(__name__)
@@ -237,6 +238,7 @@ def quantize_gptq(model: nn.Module, scheme: QuantConfig, tokens: Tensor, device:
     hidden = inputs.hidden
     progress = BlockProgress("gptq", len(blocks))
     times, started = GPTQTimes(blocks=len(blocks)), time.perf_counter()
+    min_tokens = moe_settings(scheme).min_tokens
 
     def add_inputs(stage: int, x: Tensor) -> None:
         begin = time.perf_counter()
@@ -247,13 +249,19 @@ def quantize_gptq(model: nn.Module, scheme: QuantConfig, tokens: Tensor, device:
         prefix = adapter.block_name(index)
         with block_on_device(block, device):
             stages = [[n for n in group.linears if f"{prefix}.{n}" in targets] for group in adapter.groups]
-            stages = [names for names in stages if names]
+            stages = expert_stages([names for names in stages if names])  # one Hessian per expert
             # All linears of a group read the same input: one Hessian serves them all.
             accumulators = [HessianAccumulator(block.get_submodule(names[0]).in_features, device)
                             for names in stages]
 
             def quantize_stage(stage: int) -> None:
                 begin = time.perf_counter()
+                if expert_index(stages[stage][0]) is not None and accumulators[stage].count < min_tokens:
+                    changed.extend(expert_fallback(block, prefix, stages[stage], accumulators[stage].count,
+                                                   scheme, report))
+                    accumulators[stage] = None
+                    times.solve += time.perf_counter() - begin
+                    return
                 hessian = accumulators[stage].hessian()
                 accumulators[stage] = None  # free it
                 modules = [block.get_submodule(name) for name in stages[stage]]

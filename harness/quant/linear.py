@@ -15,7 +15,7 @@ Rounding the dequantized operands to bf16 first (``linear(bf16(fq(x)), bf16(fq(W
 correlated error the kernel does not make: each weight's rounding depends only on its code's
 mantissa and its row's scale. On SmolLM2-135M's math texts it pushed the second token of a shared
 prompt toward a second massive activation: FP8 W8A8 KL 0.211 in bf16 where the real FP8 GEMM
-gives 0.079 (issue 23; README, *FP8 W8A8 in bf16*). :func:`keep_float32_weights` therefore keeps the dequantized weights
+gives 0.079 (README, *FP8 W8A8 in bf16*). :func:`keep_float32_weights` therefore keeps the dequantized weights
 of activation-quantized targets in float32 on a bf16/fp16 model (2 more bytes per weight).
 """
 from __future__ import annotations

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from harness.config import QuantConfig, SmoothQuantConfig
-from harness.quant.adapters import get_adapter
+from harness.quant.adapters import get_adapter, has_modules
 from harness.quant.base import QuantReport, register_method, target_linears
 from harness.quant.rtn import quantize_weights_rtn
 from harness.quant.tensor import SchemeError
@@ -65,7 +65,7 @@ def smooth_groups(model: nn.Module, scheme: QuantConfig | None = None) -> list[S
     for index, block in enumerate(adapter.blocks(model)):
         prefix = adapter.block_name(index)
         for group in adapter.groups:
-            if isinstance(block.get_submodule(group.prev), nn.Linear):
+            if not has_modules(block, group) or isinstance(block.get_submodule(group.prev), nn.Linear):
                 continue  # v→o and up→down: the reference smooths norm-fed groups only
             linears = tuple(f"{prefix}.{name}" for name in group.linears)
             if targets is not None and not targets.intersection(linears):

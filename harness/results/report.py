@@ -40,15 +40,68 @@ def print_comparison(comparison: Comparison, result: dict) -> None:
     table = side_by_side(comparison)
     quant = result.get("quant", {})
     print()
-    print(f"{result['model']}  ·  {result['scheme']} ({num(quant.get('bits_per_weight'), '.3f')} bits/weight)  "
-          f"vs  unquantized reference")
+    print(f"{result['model']}  ·  {result['scheme']} ({num(quant.get('bits_per_weight'), '.3f')} bits/weight"
+          f"{uncovered_note(quant)})  vs  unquantized reference")
     print(table.to_string(index=False))
+    for line in coverage_lines(result) + router_lines(result):
+        print(line)
     if result.get("max_gen_toks") is not None:
         print(f"generation capped at {result['max_gen_toks']} tokens a reply (eval.max_gen_toks): a smoke run, "
               "not the tasks' own accuracies")
     for line in sequential_lines(result):
         print(line)
     print()
+
+
+def uncovered_note(quant: dict) -> str:
+    """The headline's warning when ``quant.allow_uncovered=true`` let matrix weights stay unquantized."""
+    share = quant.get("coverage_uncovered_share")
+    return f", {share:.1%} of matrix weights NOT COVERED" if isinstance(share, (int, float)) and share > 0 else ""
+
+
+def coverage_lines(result: dict) -> list[str]:
+    """One line of the coverage account (harness.quant.coverage): what the scheme quantized and what it kept."""
+    cov = result.get("quant", {}).get("coverage")
+    if not isinstance(cov, dict):
+        return []
+    total = max(cov.get("total_params", 0), 1)
+    kept = ", ".join(f"{rule} {params / total:.1%}" for rule, params in cov.get("kept_by_rule", {}).items())
+    line = (f"coverage: {cov['quantized_share']:.1%} of the matrix weights quantized; kept by rule (share of all "
+            f"parameters): {kept or 'none'}")
+    if cov.get("uncovered_params"):
+        line += (f"; NOT COVERED: {cov['uncovered_share']:.1%} ({', '.join(cov['uncovered'][:4])}) — "
+                 "quant.allow_uncovered=true")
+    return [line]
+
+
+def router_lines(result: dict) -> list[str]:
+    """Mixture of experts: top-k agreement with the reference's routers on each slice's divergence texts."""
+    lines = []
+    for name, entry in (result.get("quant", {}).get("router") or {}).items():
+        if "identical_mean" not in entry:
+            lines.append(f"router agreement {name}: no reference routing ({entry.get('missing_reference', 0)} texts "
+                         "from a reference cached before routing was recorded)")
+            continue
+        lines.append(f"router agreement {name}: identical expert set {entry['identical_mean']:.3f} of tokens "
+                     f"(worst layer {entry['identical_min']:.3f}, {entry['worst_layer']}), overlap "
+                     f"{entry['overlap_mean']:.3f}, expert-load shift up to {entry['load_shift_max']:.3f}; agreement "
+                     f"falls first at {entry['first_disagreeing_layer'] or 'no layer'}")
+    return lines
+
+
+def moe_markdown(result: dict) -> list[str]:
+    """report.md's coverage account and, for a mixture of experts, router agreement per slice and layer."""
+    cov = result.get("quant", {}).get("coverage")
+    out = []
+    if isinstance(cov, dict):
+        out += ["## Coverage", "", *coverage_lines(result), "",
+                pd.DataFrame(cov.get("rows", [])).to_markdown(index=False, floatfmt=".4g"), ""]
+    router = result.get("quant", {}).get("router") or {}
+    rows = [{"slice": name, **layer} for name, entry in router.items() for layer in entry.get("per_layer", [])]
+    if router:
+        out += ["## Router agreement (mixture of experts)", "", *router_lines(result), "",
+                pd.DataFrame(rows).to_markdown(index=False, floatfmt=".4f") if rows else "", ""]
+    return out
 
 
 def sequential_lines(result: dict) -> list[str]:
@@ -76,6 +129,7 @@ def markdown(comparison: Comparison, result: dict, kl_plot: str | None = None) -
         f"# {result['run_name']}", "",
         f"Scheme `{result['scheme']}` ({result.get('method', '')}) on `{result['model']}`; run key `{result['run_key']}`.",
         "", side_by_side(comparison).to_markdown(index=False), "",
+        *moe_markdown(result),
         *([*sequential_markdown(result), "", "![sequence](sequence.png)", ""] if result.get("sequential") else []),
         "## Sub-slices", "", sub[sub_cols].to_markdown(index=False, floatfmt=".3f"), "",
         "## Generation divergence", "", comparison.generation.to_markdown(index=False, floatfmt=".3f"), "",

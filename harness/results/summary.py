@@ -58,8 +58,22 @@ def pair_items(ref: pd.DataFrame, quant: pd.DataFrame) -> pd.DataFrame:
         raise ValueError(f"reference and quantized runs scored different items ({len(missing)} differ, e.g. "
                          f"{sorted(missing)[:3]}); the reference cache key must include the item set")
     keys = ["item_id", "slice", "task", "sub_slice", "cluster", "output_type", "target"]
+    if "stratum" not in ref and "stratum" in quant:  # a reference cached before records carried strata
+        ref = ref.merge(quant[["item_id", "stratum"]], on="item_id")
+    if "stratum" in ref:
+        keys.append("stratum")
     merged = ref.merge(quant[["item_id", "correct", "response"]], on="item_id", suffixes=("_ref", "_quant"))
     return merged[keys + ["correct_ref", "correct_quant", "response_ref", "response_quant"]]
+
+
+def design_strata(items: pd.DataFrame) -> pd.Series | None:
+    """Each item's stratum for the statistics: its slice and its declared stratum (a slice is a stratum of
+    the run: the slices are chosen, not drawn); None for records without strata (those of older runs),
+    which keeps their numbers exactly as they were. Within one slice the prefix changes nothing."""
+    if "stratum" not in items:
+        return None
+    declared = items["stratum"].astype(object).where(items["stratum"].notna(), "").astype(str)
+    return items["slice"].astype(str) + "\x1f" + declared
 
 
 def generation_divergence(items: pd.DataFrame, tokenize) -> pd.DataFrame:
@@ -78,12 +92,17 @@ def generation_divergence(items: pd.DataFrame, tokenize) -> pd.DataFrame:
 
 
 def compare_items(items: pd.DataFrame, cfg: CompareConfig) -> pd.DataFrame:
-    """Paired statistics overall, per slice and per sub-slice, corrected across all rows."""
+    """Paired statistics overall, per slice and per sub-slice, corrected across all rows; stratified by
+    the items' declared strata (and, overall, by slice) where the records carry them."""
     frame = items.assign(overall="overall")
+    strata = design_strata(items)
+    if strata is not None:
+        frame = frame.assign(design_stratum=strata)
     levels = [("overall", ["overall"]), ("slice", ["slice"]), ("sub_slice", ["slice", "sub_slice"])]
     parts = []
     for level, by in levels:
         result = stats.compare_frame(frame, by=by, cluster_col="cluster", n_resamples=cfg.n_resamples,
+                                     stratum_col=None if strata is None else "design_stratum",
                                      seed=cfg.seed, margin=cfg.margin, correction="none",
                                      ci_level=cfg.ci_level, min_clusters=cfg.min_clusters)
         result.insert(0, "level", level)

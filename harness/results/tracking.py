@@ -155,6 +155,8 @@ def run_description(result_dir: Path, summary: Mapping[str, Any]) -> str:
     bits = quant.get("bits_per_weight")
     head = (f"**{summary.get('model', '?')} · {summary.get('scheme', '?')}**"
             + (f" ({float(bits):.3f} bits/weight)" if isinstance(bits, (int, float)) else "")
+            + (f" — {float(quant['coverage_uncovered_share']):.1%} of matrix weights NOT COVERED"
+               if float(quant.get("coverage_uncovered_share") or 0) > 0 else "")
             + f" vs the unquantized reference; run key `{summary.get('run_key', '')}`")
     report = result_dir / "report.md"
     table = _first_table(report.read_text()) if report.exists() else ""

@@ -1,7 +1,8 @@
 """Paired statistics for comparing a quantized model with its reference on the same items.
 
 ``paired``: the per-comparison result (``paired_compare``, ``compare_frame``); ``score``: the one
-inference every claim about Δ comes from (a clustered paired score test and its interval);
+inference every claim about Δ comes from (a stratified, clustered paired score test and its interval);
+``strata``: a slice's sampling design (fixed strata, random clusters inside or across them);
 ``verdict``: labels read off that interval; ``sequential``: the anytime-valid (betting
 confidence sequence) verdict of a slice scored in rounds; ``group_sequential``: the same verdict from
 the score test at the rounds' looks with an α-spending function; ``intervals``: Wilson / Newcombe and the clustered
@@ -23,6 +24,7 @@ from harness.stats.paired import (
 )
 from harness.stats.score import ScoreTest, score_test
 from harness.stats.sequential import SequentialResult, cluster_order, cs_bounds, rounds, sequential_test
+from harness.stats.strata import stratum_codes
 
 __all__ = [
     "BOOTSTRAP_MIN_CLUSTERS",
@@ -44,4 +46,5 @@ __all__ = [
     "sequential_test",
     "spending_boundaries",
     "spending_test",
+    "stratum_codes",
 ]

@@ -222,12 +222,14 @@ def nominal_levels(fractions: ArrayLike, alpha: float, spending: Spending = "obf
     return sps.norm.sf(spending_boundaries(fractions, alpha, spending))
 
 
-def _look(diffs: np.ndarray, codes: np.ndarray, margin: float, level_pass: float, level_fail: float):
+def _look(diffs: np.ndarray, codes: np.ndarray, margin: float, level_pass: float, level_fail: float,
+          strata: np.ndarray | None = None):
     """(lower, upper) of one look: score bounds at the nominal one-sided levels; -1 / 1 where the look
-    cannot decide (nominal level 0, or fewer than 2 clusters scored)."""
+    cannot decide (nominal level 0, or no residual degree of freedom: fewer than 2 clusters scored)."""
     _, relabelled = np.unique(codes, return_inverse=True)
-    test = score_test(diffs, relabelled)
-    if test.n_clusters < 2:
+    layers = None if strata is None else np.unique(strata, return_inverse=True)[1]
+    test = score_test(diffs, relabelled, layers)
+    if not test.testable:
         return -1.0, 1.0
     lower = test.interval(1 - 2 * level_pass)[0] if level_pass > 0 else -1.0
     upper = test.interval(1 - 2 * level_fail)[1] if level_fail > 0 else 1.0
@@ -235,7 +237,8 @@ def _look(diffs: np.ndarray, codes: np.ndarray, margin: float, level_pass: float
 
 
 def spending_test(diffs: ArrayLike, codes: ArrayLike, margin: float, *, alpha: float = 0.05, family: int = 1,
-                  seed: int = 0, round_items: int | None = None, stop: bool = True) -> SequentialResult:
+                  seed: int = 0, round_items: int | None = None, stop: bool = True,
+                  strata: ArrayLike | None = None) -> SequentialResult:
     """Score a slice round by round in the seeded cluster order and read the group-sequential verdict
     after each round (module docstring); a drop-in for :func:`harness.stats.sequential.sequential_test`.
 
@@ -244,8 +247,13 @@ def spending_test(diffs: ArrayLike, codes: ArrayLike, margin: float, *, alpha: f
     whole slice (it fixes the order, the rounds and so the looks' information fractions before
     anything is scored). Stops at the first look whose state is pass or fail (``stop=False``: looks
     at every complete round). Spending function: ``SPENDING_TEST_FUNCTION`` (O'Brien–Fleming type). ``lower``: the look's repeated lower bound at level α (pass ⇔ > -margin);
-    ``upper``: its repeated upper bound at level α/``family`` (fail ⇔ < -margin).
+    ``upper``: its repeated upper bound at level α/``family`` (fail ⇔ < -margin). ``strata``: every
+    item's stratum id (None: one stratum); each look's score test is then stratified over the items
+    seen (:mod:`harness.stats.strata`), the order and rounds stay those of the clusters.
     """
+    layers = None if strata is None else np.asarray(strata)
+    if layers is not None and layers.shape != np.shape(diffs):
+        raise ValueError(f"strata has shape {layers.shape}, expected {np.shape(diffs)}: one stratum id per item")
     diffs, codes, sizes, sums, scored, order, parts = slice_rounds(diffs, codes, margin, alpha, family, seed,
                                                                    round_items)
     ends = np.cumsum([part.size for part in parts])
@@ -264,7 +272,8 @@ def spending_test(diffs: ArrayLike, codes: ArrayLike, margin: float, *, alpha: f
     lowers, uppers = [], []
     for j in range(complete):
         seen = item_rank < ends[j]
-        low, high = _look(diffs[seen], codes[seen], margin, float(level_pass[j]), float(level_fail[j]))
+        low, high = _look(diffs[seen], codes[seen], margin, float(level_pass[j]), float(level_fail[j]),
+                          None if layers is None else layers[seen])
         lowers.append(low)
         uppers.append(high)
         if stop and state_of(low, high, margin) != "open":

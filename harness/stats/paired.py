@@ -35,7 +35,14 @@ with a margin m (shown in points, 0.01 -> "1.0 pt"), first match wins
     5. ``"worse"``: hi < 0 (a drop, but whether it exceeds m is open);
     6. ``"inconclusive"``.
 
-``delta_se`` is the cluster-robust (CR1) SE of Δ (descriptive; floored at 1/n when the
+Strata (``strata``; ``harness.stats.strata``). A stratum is a cell the slice enumerates on purpose, a
+cluster a group of items drawn at random together. With strata the score statistic weights each
+stratum by its share of the slice and takes the variance within strata; the design effect, the
+degrees of freedom and ``n_clusters`` come from the clusters alone. Without strata (or with one)
+every number is the unstratified one, to the last bit. ``ci_method`` is ``"none"`` when the clusters
+leave no residual degree of freedom (G - K < 1; without strata: fewer than 2 clusters).
+
+``delta_se`` is the cluster-robust (CR1, within strata) SE of Δ (descriptive; floored at 1/n when the
 variance is 0). Power, for planning: with p_d the discordance (mean |d|) and deff the design
 effect, ``mde = (z_{1-a} + z_{0.8}) * sqrt(max(p_d - Δ^2, 1/n) * deff / n)`` (a = (1 - ci_level) / 2:
 the drop a two-sided test at ci_level detects with 80 % power), and with a margin
@@ -64,6 +71,7 @@ from scipy import stats as sps
 from harness.stats.intervals import clustered_variance, effective_scale, wilson
 from harness.stats.multiple import adjust_pvalues
 from harness.stats.score import restricted_loss, score_test
+from harness.stats.strata import cluster_variance, stratum_codes
 from harness.stats.verdict import verdict_label
 
 __all__ = [
@@ -99,7 +107,7 @@ class PairedResult:
     ci_level: float
     delta_se: float  # cluster-robust SE of delta (descriptive), zero-variance floor applied
     delta_p: float  # two-sided p of H0 Δ = 0 from the same score test (McNemar's score test for 0/1, no clusters)
-    design_effect: float  # CR1 / iid variance of Δ, floored at 1 (the score test's cluster inflation)
+    design_effect: float  # CR1 / iid variance of Δ within strata, floored at 1 (the clusters' inflation only)
     flips_right_to_wrong: int  # n10: ref right, quant wrong
     flips_wrong_to_right: int  # n01: ref wrong, quant right
     flip_rate: float
@@ -118,6 +126,10 @@ class PairedResult:
     n_needed: int | None  # items for 80 % power of non-inferiority if the true Δ were 0 (module docstring)
     settleable: bool | None  # with a margin: False when Δ̂ <= -margin (no number of items shows non-inferiority)
     ci_method: str  # score | none (module docstring)
+    n_strata: int = 1  # strata the items were declared in (1: none); n_clusters counts random clusters only
+    # G - K + 1: the clusters left once each stratum's mean is taken out (K: connected components of the
+    # cluster-stratum graph; n_clusters without strata). gate.min_clusters_pass counts these.
+    n_clusters_within: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Flat dict of plain Python values; each ``x_ci`` pair becomes ``x_ci_low``/``x_ci_high``."""
@@ -193,6 +205,14 @@ def _clustered_se(codes: np.ndarray, diffs: np.ndarray) -> float:
     return 1.0 / diffs.size if _variance_is_zero(codes, diffs) else math.sqrt(variance)
 
 
+def _stratified_se(codes: np.ndarray, strata: np.ndarray, diffs: np.ndarray) -> float:
+    """Cluster-robust SE of Δ within strata (``harness.stats.strata``), floored at 1/n like the unstratified one."""
+    variance = cluster_variance(diffs, codes, strata)
+    if math.isnan(variance):
+        return math.nan
+    return 1.0 / diffs.size if math.sqrt(variance) <= 1e-9 / diffs.size else math.sqrt(variance)
+
+
 def _variance_is_zero(codes: np.ndarray, diffs: np.ndarray) -> bool:
     """Whether the CR1 variance of the mean is 0 up to rounding (NaN, < 2 clusters: False)."""
     return bool(math.sqrt(clustered_variance(codes, diffs)) <= 1e-9 / diffs.size)
@@ -233,6 +253,7 @@ def paired_compare(
     quant: ArrayLike,
     *,
     clusters: ArrayLike | None = None,
+    strata: ArrayLike | None = None,
     n_resamples: int = 2000,
     ci_level: float = 0.95,
     seed: int = 0,
@@ -242,7 +263,11 @@ def paired_compare(
     """Compare per-item scores of the quantized model (``quant``) with the reference (``ref``).
 
     ``clusters`` (one label per item; missing labels are singletons) makes the inference count
-    whole clusters, for items that share a source [Miller 2024]. Δ's interval, p-values and
+    whole clusters, for items that share a source [Miller 2024]. ``strata`` (one label per item; None:
+    one stratum) are the cells the slice enumerates on purpose: Δ's variance is then the within-stratum
+    one, strata weighted by their share of the slice (``harness.stats.strata``); clusters are counted
+    inside them and alone make the design effect. Without strata every number is the unstratified one.
+    Δ's interval, p-values and
     verdict come from the clustered score test at ``ci_level`` (module docstring): a one-sided
     claim is made at (1 - ci_level) / 2, so ``ci_level=0.90`` decides at α = 0.05.
     ``margin`` (e.g. 0.01 = 1 point of accuracy) enables the non-inferiority, inferiority and
@@ -265,6 +290,7 @@ def paired_compare(
         raise ValueError(f"min_clusters={min_clusters!r} must be a positive integer, e.g. {MIN_CLUSTERS}")
 
     codes = cluster_codes(clusters, n)
+    layers = None if strata is None else stratum_codes(strata, n)
     n_clusters = int(codes.max()) + 1
     diffs = quant_scores - ref_scores
     ref_right = ref_scores >= RIGHT_THRESHOLD
@@ -293,17 +319,17 @@ def paired_compare(
                 flip_cis.append(wilson(float(per_item[:, j].sum()) * scale, n * scale, z))
 
     # Δ: the one inference (harness.stats.score).
-    test = score_test(diffs, codes)
+    test = score_test(diffs, codes, layers)
     delta = float(diffs.mean())
-    delta_se = _clustered_se(codes, diffs)
+    delta_se = _clustered_se(codes, diffs) if test.n_strata == 1 else _stratified_se(codes, layers, diffs)
     delta_ci = test.interval(ci_level)
     delta_p = test.p_two_sided(0.0)
-    ci_method = "score" if n_clusters >= 2 else "none"
+    ci_method = "score" if test.testable else "none"
 
     discordance = float(np.abs(diffs).mean())
     design_effect = test.deff
     z_power = float(sps.norm.ppf(POWER))
-    if n_clusters < 2:
+    if not test.testable:
         mde = math.nan
     else:
         spread = max(discordance - delta * delta, 1.0 / n)
@@ -316,7 +342,7 @@ def paired_compare(
         noninferiority_p, inferiority_p = test.p_greater(-margin), test.p_less(-margin)
         tost_p = max(noninferiority_p, test.p_less(margin))
         settleable = bool(delta > -margin)
-        if settleable and n_clusters >= 2:
+        if settleable and test.testable:
             n_needed = noninferiority_items(discordance, design_effect, margin, tail)
 
     verdict = verdict_label(lo=delta_ci[0], hi=delta_ci[1], n_clusters=n_clusters, min_clusters=int(min_clusters),
@@ -349,6 +375,8 @@ def paired_compare(
         n_needed=n_needed,
         settleable=settleable,
         ci_method=ci_method,
+        n_strata=test.n_strata,
+        n_clusters_within=test.n_clusters - test.components + 1,
     )
 
 
@@ -386,6 +414,7 @@ def compare_frame(
     ref_col: str = "correct_ref",
     quant_col: str = "correct_quant",
     cluster_col: str | None = "cluster",
+    stratum_col: str | None = None,
     n_resamples: int = 2000,
     seed: int = 0,
     margin: float | None = None,
@@ -398,6 +427,7 @@ def compare_frame(
     ``delta_p_adj`` (H0 Δ = 0) is corrected across all rows of the returned frame. Each group's
     bootstrap seed is derived from ``(seed, group key)``. Verdicts read each row's own interval
     (unadjusted); groups with fewer than ``min_clusters`` clusters get the verdict ``"too few clusters"``.
+    ``stratum_col`` names the column of each item's stratum (``paired_compare``'s ``strata``; None: none).
     To get an overall row, add a constant column and group by it.
     """
     if correction not in ("holm", "bh", "none"):
@@ -407,7 +437,8 @@ def compare_frame(
     by = list(by)
     if not by:
         raise ValueError("by is empty: name at least one column, e.g. by=['slice']")
-    needed = [*by, ref_col, quant_col] + ([cluster_col] if cluster_col is not None else [])
+    needed = [*by, ref_col, quant_col] + ([cluster_col] if cluster_col is not None else []) + (
+        [stratum_col] if stratum_col is not None else [])
     missing = [col for col in needed if col not in df.columns]
     if missing:
         hint = " (pass cluster_col=None for unclustered items)" if cluster_col in missing else ""
@@ -421,6 +452,7 @@ def compare_frame(
             group[ref_col].to_numpy(),
             group[quant_col].to_numpy(),
             clusters=None if cluster_col is None else group[cluster_col].to_numpy(dtype=object),
+            strata=None if stratum_col is None else group[stratum_col].to_numpy(dtype=object),
             n_resamples=n_resamples,
             ci_level=ci_level,
             seed=_group_seed(seed, by, key),

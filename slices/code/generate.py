@@ -75,6 +75,9 @@ def _item(problem: dict, source: str, sub_slice: str, cluster: str, limits: dict
         "id": problem["task_id"].replace("/", "-"),
         "source": source,
         "sub_slice": sub_slice,
+        # stratum: the source (a fixed cell; its buckets and categories hold too few problems at the quick size, 2 per
+        # HumanEval bucket, to be strata); cluster: the problem (HumanEval's, or a synthetic template), drawn from many
+        "stratum": source,
         "cluster": cluster,
         "prompt": problem["prompt"],
         "entry_point": problem["entry_point"],

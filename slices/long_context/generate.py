@@ -234,6 +234,8 @@ def build_item(seed: int, bucket: int, j: int, count: Callable[[str], int], *, c
     return {
         "id": f"lc-{seed}-{bucket_label(bucket)}-{task_type}-{doc}-{j:04d}",
         "sub_slice": f"len={bucket_label(bucket)}/depth={round(depth * 100)}%",
+        # stratum: the (length, depth) cell the slice enumerates; cluster: the haystack document its items share
+        "stratum": f"len={bucket_label(bucket)}/depth={round(depth * 100)}%",
         "cluster": f"haystack-{bucket_label(bucket)}-{doc}",
         "task_type": task_type,
         "bucket": bucket,

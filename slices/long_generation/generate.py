@@ -58,8 +58,9 @@ def items(size: str = "quick", seed: int = 1234, n_items: int | None = None, **_
         for kind, templates in KINDS.items():
             template = rank % len(templates)
             prompt = templates[template].format(topic=TOPICS[kind][rank])
-            out.append({"id": f"longgen-{kind}-{rank:02d}", "sub_slice": kind, "cluster": f"{kind}/t{template}",
-                        "prompt": prompt, "gold_text": prompt})
+            # stratum: the kind (enumerated); cluster: the phrasing template its prompts share (as before)
+            out.append({"id": f"longgen-{kind}-{rank:02d}", "sub_slice": kind, "stratum": kind,
+                        "cluster": f"{kind}/t{template}", "prompt": prompt, "gold_text": prompt})
     return out[:total]
 
 

@@ -4,8 +4,10 @@ Difficulty is two sub-slice axes: the number of operations (steps) and operand s
 (digits). The full size covers steps=1..3 x digits=1..3; the quick size keeps the easy corner
 (steps + digits <= 3: 1/1, 1/2, 2/1), where SmolLM2-135M (the default model) is right often
 enough for a drop to show: measured 0.62 on steps=1/digits=1, 0.08 on 1/2, 0.04 on 2/1, 0.00 on
-2/2 (24 items each); the 3-step and 3-digit cells are a floor for it. Items that share a template are clustered by (steps, digits, template) for
-the cluster bootstrap. The same seed gives the same items on every machine (Python's
+2/2 (24 items each); the 3-step and 3-digit cells are a floor for it. Sampling design (docs/explanation/strata.md):
+the stratum is the (kind, steps, digits) cell, which the generator enumerates; every item is its own
+cluster, since its numbers and its template are drawn independently of every other item's (the
+template is a random attribute of an item, not a cell: its count per cell varies by seed). The same seed gives the same items on every machine (Python's
 ``random.Random`` with a string seed is stable across platforms and versions).
 """
 from __future__ import annotations
@@ -50,7 +52,7 @@ def _choices(rng: random.Random, answer: int) -> tuple[list[str], int]:
 
 
 def items(size: str = "quick", seed: int = 1234, n_items: int | None = None, **_: Any) -> list[dict]:
-    """The slice's items; every item carries id, sub_slice, cluster and gold_text."""
+    """The slice's items; every item carries id, sub_slice, stratum, cluster and gold_text."""
     if size not in SIZES:
         raise ValueError(f"math slice: size={size!r} is unknown; use one of {sorted(SIZES)}")
     total = n_items or SIZES[size]
@@ -73,7 +75,10 @@ def items(size: str = "quick", seed: int = 1234, n_items: int | None = None, **_
         out.append({
             "id": f"math-{seed}-{index:05d}",
             "sub_slice": f"steps={steps}/digits={digits}",
-            "cluster": f"{kind}-s{steps}-d{digits}-t{template}",
+            # stratum: the enumerated (kind, steps, digits) cell; cluster: the item (numbers and template drawn per item)
+            "stratum": f"{kind}-s{steps}-d{digits}",
+            "cluster": f"math-{seed}-{index:05d}",
+            "template": template,
             "question": question,
             "answer": str(answer),
             "choices": choices,

@@ -156,6 +156,9 @@ def items(size: str = "quick", seed: int = 1234, n_items: int | None = None, kin
                 out.append({
                     "id": f"ml-{seed}-{kind}-{index:03d}-{language}",
                     "sub_slice": f"{language}-{LANGUAGES[language]}",
+                    # stratum: the language (enumerated); cluster: the concept, asked in every language
+                    # (a parallel question, drawn at random: clusters cross the strata)
+                    "stratum": language,
                     "cluster": f"{kind}-{index:03d}",
                     "language": language,
                     "script": LANGUAGES[language],

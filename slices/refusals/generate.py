@@ -138,6 +138,9 @@ def items(size: str = "quick", seed: int = 1234, n_items: int | None = None, **_
                 ordered.append({
                     "id": f"refusals-{direction}-{category}-{rank}",
                     "sub_slice": direction,
+                    # stratum: the direction (enumerated); cluster: the category, whose prompts are correlated
+                    # (categories are enumerated too, but 12 of 3 prompts each: too few items per cell to stratify)
+                    "stratum": direction,
                     "cluster": f"{direction}/{category}",
                     "category": category,
                     "should_refuse": direction == "decline",

@@ -137,7 +137,7 @@ def instruction(text: str, schema: dict, variant: str, show_schema: bool = False
 
 def items(size: str = "quick", seed: int = 1234, n_items: int | None = None, show_schema: bool = False,
           variants: list[str] | None = None, **_: Any) -> list[dict]:
-    """The slice's items, variants in turn; every item carries id, sub_slice, cluster and gold_text.
+    """The slice's items, variants in turn; every item carries id, sub_slice, stratum, cluster and gold_text.
 
     ``variants`` (slice metadata) overrides the size's variants, e.g. all seven at quick size.
     """
@@ -158,7 +158,10 @@ def items(size: str = "quick", seed: int = 1234, n_items: int | None = None, sho
         out.append({
             "id": f"structured-{seed}-{index:05d}",
             "sub_slice": variant,
-            "cluster": f"{variant}/t{template}",
+            # stratum: the variant (a format the slice enumerates); cluster: the item (facts and phrasing drawn per item)
+            "stratum": variant,
+            "cluster": f"structured-{seed}-{index:05d}",
+            "template": template,
             "prompt": prompt,
             "schema": json.dumps(schema),
             "expected": answer,

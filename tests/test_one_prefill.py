@@ -1,0 +1,193 @@
+"""One prefill per prompt per model (issue 35).
+
+The divergence stage's per-token numbers taken from the forwards that answered the items (the
+prefill of each prompt, the reference's decode steps, the quantized model's teacher-forced pass
+of the reference's reply from the prompt's KV cache) equal the two-pass computation (every text
+run again, unbatched, from its first token) to float tolerance; a copy of those states shifted by
+one position, or computed with another item's KV cache in front, does not. The fused per-token
+statistics are checked against float64 softmaxes computed here.
+"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from scipy.special import log_softmax, rel_entr
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from harness.divergence.scoring import (ServedText, compare_to_reference, final_hidden, score_reference,
+                                        token_statistics)
+from harness.divergence.capture import CapturedPrompt, HiddenCapture
+from harness.evaluation.generation import greedy_generate
+
+VOCAB = 96
+PAD = 0
+# different lengths (left padding in a batch), two batches (two KV caches), one prompt in both batches
+PROMPTS = [(5, 17, 33, 8, 9, 60, 2), (11, 12), (70, 3, 3, 3, 41, 22, 19, 50, 7, 1, 88), (4, 44, 64)]
+BATCHES = [PROMPTS[:2], PROMPTS[2:]]
+STEPS = 7
+COLUMNS = ["kl", "kl_reverse", "nll_ref", "nll_quant", "p_ref", "p_quant"]
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    reference = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # sharper distributions than the default init: KL well above float32 rounding
+        reference.lm_head.weight.mul_(8.0)
+    quantized = copy.deepcopy(reference)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in quantized.parameters():
+            parameter.add_(0.05 * parameter.abs().mean() * torch.randn(parameter.shape, generator=generator))
+    return reference, quantized
+
+
+def _answer(model, capture: HiddenCapture | None, teacher=None, eos: set[int] = frozenset()) -> dict[tuple, list[int]]:
+    """Greedy replies of every prompt, batch by batch (left-padded), as lm-eval's generation calls do."""
+    replies = {}
+    for batch in BATCHES:
+        width = max(map(len, batch))
+        ids = torch.tensor([[PAD] * (width - len(p)) + list(p) for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        out = greedy_generate(model, ids, mask, max_new_tokens=STEPS, pad_token_id=PAD, eos_token_ids=set(eos),
+                              capture=capture, teacher=teacher)
+        for row, prompt in enumerate(batch):
+            reply = out[row, width:].tolist()
+            replies[prompt] = reply[:next((i + 1 for i, t in enumerate(reply) if t in eos), len(reply))]
+    return replies
+
+
+@pytest.fixture(scope="module")
+def answered(pair):
+    """The items answered once by each model, capturing; the reference's replies are the served texts."""
+    reference, quantized = pair
+    first = _answer(reference, None)
+    eos = {first[PROMPTS[0]][2]}  # the first prompt's row finishes early: rows leave the batch mid-decode
+    ref_capture, quant_capture = HiddenCapture(), HiddenCapture()
+    replies = _answer(reference, ref_capture, eos=eos)
+    own = _answer(quantized, quant_capture, teacher=lambda prompt: replies.get(prompt), eos=eos)
+    texts = [ServedText(p, tuple(replies[p])) for p in PROMPTS]
+    return texts, ref_capture, quant_capture, replies, own
+
+
+def _two_pass(pair, texts):
+    reference, quantized = pair
+    return compare_to_reference(quantized, score_reference(reference, None, texts, max_tokens=64, store="hidden"), "s")
+
+
+def _one_prefill(pair, texts, ref_capture, quant_capture):
+    reference, quantized = pair
+    scored = score_reference(reference, None, texts, max_tokens=64, store="hidden", captured=ref_capture)
+    return compare_to_reference(quantized, scored, "s", captured=quant_capture)
+
+
+def _close(a, b) -> bool:
+    return all(np.allclose(a[c].to_numpy(), b[c].to_numpy(), rtol=1e-4, atol=1e-6) for c in COLUMNS) and \
+        (a["top1_ref"] == b["top1_ref"]).all() and (a["top1_quant"] == b["top1_quant"]).all()
+
+
+def test_one_prefill_equals_the_two_pass_computation(pair, answered):
+    texts, ref_capture, quant_capture, replies, own = answered
+    assert any(own[p][:len(replies[p])] != replies[p] for p in PROMPTS)  # the teacher-forced path is used
+    assert len({len(r) for r in replies.values()}) > 1  # a row left its batch early
+    reference, quantized = pair
+    tokens = {"reference": 0, "quantized": 0}
+    hooks = [m.get_decoder().register_forward_pre_hook(lambda _m, args, kwargs, side=side: tokens.__setitem__(
+        side, tokens[side] + int((kwargs.get("input_ids") if args == () else args[0]).numel())), with_kwargs=True)
+        for m, side in ((reference, "reference"), (quantized, "quantized"))]
+    try:
+        one = _one_prefill(pair, texts, ref_capture, quant_capture)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    two = _two_pass(pair, texts)
+    assert len(one) == len(two) == sum(len(t.prompt_ids) + len(t.reply_ids) - 1 for t in texts)
+    assert (one[["text", "position", "kind"]].to_numpy() == two[["text", "position", "kind"]].to_numpy()).all()
+    assert _close(one, two) and two["kl"].mean() > 1e-3
+    # nothing run again but the reference head's check (the model's forward and its decoder's, on the first
+    # text); the quantized side runs nothing
+    assert tokens == {"reference": 2 * (len(PROMPTS[0]) + len(texts[0].reply_ids)), "quantized": 0}
+
+
+def test_a_shift_by_one_or_another_items_cache_is_caught(pair, answered):
+    texts, ref_capture, quant_capture, _, _ = answered
+    two = _two_pass(pair, texts)
+    shifted = HiddenCapture()
+    for prompt, row in quant_capture.prompts.items():
+        states = torch.cat([row.prompt[:1], row.prompt[:-1]])  # every state one position late
+        shifted.prompts[prompt] = CapturedPrompt(states, row.fed, row.steps, row.continuations)
+    assert not _close(_one_prefill(pair, texts, ref_capture, shifted), two)
+    _, quantized = pair
+    carried = copy.copy(quant_capture)  # the third item's prompt states computed after the second item's tokens
+    carried.prompts = dict(quant_capture.prompts)
+    before, prompt = PROMPTS[1], PROMPTS[2]
+    both = final_hidden(quantized, torch.tensor([*before, *prompt, 0]))[len(before):]
+    carried.prompts[prompt] = CapturedPrompt(both, *[getattr(quant_capture.prompts[prompt], f)
+                                                     for f in ("fed", "steps", "continuations")])
+    assert not _close(_one_prefill(pair, texts, ref_capture, carried), two)
+
+
+def test_a_prompt_not_answered_is_run_as_before(pair, answered):
+    texts, ref_capture, quant_capture, _, _ = answered
+    unknown = ServedText((9, 9, 9, 9), (1, 2, 3))
+    assert ref_capture.states(unknown.prompt_ids, unknown.reply_ids) is None
+    one = _one_prefill(pair, [*texts, unknown], ref_capture, quant_capture)
+    assert _close(one, _two_pass(pair, [*texts, unknown]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_statistics_match_float64_softmaxes(dtype):
+    generator = torch.Generator().manual_seed(3)
+    logits_p = (6 * torch.randn(40, 500, generator=generator)).to(dtype).float()
+    logits_q = (logits_p + 0.3 * torch.randn(40, 500, generator=generator)).to(dtype).float()
+    logits_q[0] = logits_p[0]  # identical rows: exactly 0
+    logits_q[1] = logits_p[1] + 1000.0  # a shift of every logit: the same distribution
+    targets = torch.randint(0, 500, (40,), generator=generator)
+    got = token_statistics(logits_q.clone(), logits_p.clone() - 7.0, targets)  # either side's shift is free
+    logp, logq = log_softmax(logits_p.double().numpy(), -1), log_softmax(logits_q.double().numpy(), -1)
+    kl, kl_reverse = rel_entr(np.exp(logp), np.exp(logq)).sum(-1), rel_entr(np.exp(logq), np.exp(logp)).sum(-1)
+    np.testing.assert_allclose(got["kl"].numpy(), kl, rtol=1e-4, atol=2e-6)
+    np.testing.assert_allclose(got["kl_reverse"].numpy(), kl_reverse, rtol=1e-4, atol=2e-6)
+    np.testing.assert_allclose(got["logq_target"].numpy(), logq[np.arange(40), targets.numpy()], rtol=1e-6, atol=1e-5)
+    assert (got["top1_quant"].numpy() == logq.argmax(-1)).all() and kl[2:].min() > 1e-5 and kl.mean() > 1e-3
+    same = token_statistics(logits_p.clone(), logits_p.clone(), targets)  # identical logits: exactly 0
+    assert (same["kl"] == 0).all() and (same["kl_reverse"] == 0).all()
+
+
+@pytest.mark.slow
+def test_a_sequential_job_builds_its_tasks_once_and_runs_no_prompt_again(make_cfg, tmp_path, monkeypatch):
+    """Under eval.sequential the candidate answers in rounds: lm-eval's tasks are loaded once per slice and
+    model (not once per round), and the divergence stage takes the rounds' states (no text run again)."""
+    from harness.evaluation import evaluate
+    from harness.job.pipeline import run
+
+    loads = []
+    build = evaluate.task_manager
+
+    def counting(slice_, settings):
+        manager = build(slice_, settings)
+        load = manager.load
+        manager.load = lambda *args, **kwargs: loads.append(slice_.name) or load(*args, **kwargs)
+        return manager
+
+    monkeypatch.setattr(evaluate, "task_manager", counting)
+    result = run(make_cfg("model=tiny_random", "slices=[math]", "slices.math.n_items=24", "eval.sequential=true",
+                          "eval.sequential_round_items=6", "gate.min_items=100", "quant=int4_g128",
+                          "tracking.enabled=false", "runtime.threads=1"))
+    assert result["sequential"]["math"]["rounds_used"] >= 2  # gate.min_items=100 keeps the slice open
+    assert loads == ["math", "math"]  # the reference's evaluation, then every round of the candidate's
+    # the divergence stage runs exactly the texts whose reference states were not captured (a random model's
+    # reply re-encodes to other tokens than it generated: those are run again on both sides)
+    [entry] = (tmp_path / "cache" / "reference").glob("*/divergence.pt")
+    texts = torch.load(entry, weights_only=False)
+    again = sum(len(t.input_ids) for t in texts if not t.captured)
+    assert any(t.captured for t in texts)
+    assert result["throughput"].get("divergence", {}).get("prefill_tokens", 0) == again
+    tokens = pd.read_parquet(next((tmp_path / "results").glob("*")) / "tokens.parquet")
+    assert set(tokens["kind"]) == {"prompt", "reply"} and tokens["kl"].mean() > 0

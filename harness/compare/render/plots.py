@@ -67,7 +67,7 @@ def forest(stats: pd.DataFrame, labels: list[str], *, margin: float | None, titl
         ax.axvspan(-margin, margin, color="tab:green", alpha=0.12, label=f"±margin ({100 * margin:g} pt)")
         ax.legend(loc="lower right", fontsize=8)
     ax.set_yticks(ticks, tick_labels, fontsize=8)
-    ax.set_xlabel("Δ accuracy (quantized − reference), bootstrap CI")
+    ax.set_xlabel("Δ accuracy (quantized − reference), clustered score interval")
     ax.set_title(title, fontsize=10)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()

@@ -11,7 +11,7 @@ __all__ = ["caption", "detail_table", "matrix_table", "method_note", "position_t
            "sub_slice_table"]
 
 CAPTIONS = {
-    "forest": "Δ accuracy with bootstrap CI per slice; filled markers are significant after correction.",
+    "forest": "Δ accuracy with its clustered score interval per slice; filled markers are significant after correction.",
     "flips": "Items that flipped: right→wrong to the left, wrong→right to the right.",
     "kl_cdf": "Distribution of per-token KL(ref‖quant).",
     "kl_by_position": "Mean KL by token position (long context).",

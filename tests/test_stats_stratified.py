@@ -178,3 +178,23 @@ def test_spending_test_looks_are_stratified_score_tests() -> None:
     level = fixed.p_greater(result.looks_lower[-1])
     assert fixed.interval(1 - 2 * level)[0] == pytest.approx(result.looks_lower[-1], abs=1e-9)
     assert result.looks_lower[-1] != plain.looks_lower[-1]
+
+
+def test_strata_without_a_residual_degree_of_freedom_collapse_to_the_unstratified_interval():
+    """Every item its own cluster and its own stratum (a smoke run of a few items): no within-stratum
+    variance can be estimated, so the strata collapse and the interval is the unstratified one."""
+    import numpy as np
+
+    from harness.stats import paired_compare
+    from harness.stats.strata import estimable_strata
+
+    ref = np.array([1, 1, 0, 1, 0, 1], dtype=float)
+    quant = np.array([0, 1, 0, 0, 1, 1], dtype=float)
+    items = [f"i{k}" for k in range(6)]
+    alone = paired_compare(ref, quant, clusters=items, strata=items, seed=0, n_resamples=200)
+    plain = paired_compare(ref, quant, clusters=items, seed=0, n_resamples=200)
+    assert np.isfinite(alone.delta_se) and alone.delta_se == plain.delta_se
+    assert alone.delta_ci == plain.delta_ci and np.isfinite(alone.delta_ci).all()
+    codes, layers = np.arange(6), np.array([0, 0, 0, 1, 1, 1])
+    assert estimable_strata(layers, codes) is layers  # three clusters per stratum: kept
+    assert estimable_strata(np.arange(6), codes) is None

@@ -132,7 +132,8 @@ def accuracy_criteria(run: RunResults, cfg: GateConfig) -> list[Criterion]:
                        interval="sequence", items_total=sequence.n_total, method=record["method"])
         else:
             codes = stats.paired.cluster_codes(clusters, len(group))
-            layers = None if strata is None else stats.stratum_codes(strata, len(group))
+            layers = None if strata is None else stats.strata.estimable_strata(
+                stats.stratum_codes(strata, len(group)), codes)
             row.update(fail_ci_high=stats.score_test(quant - ref, codes, layers).interval(fail_level)[1],
                        interval="score")
         row.update(slice=name, chance=slice_chance(cfg, name, group), fail_level=fail_level, family=family,

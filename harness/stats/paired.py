@@ -71,7 +71,7 @@ from scipy import stats as sps
 from harness.stats.intervals import clustered_variance, effective_scale, wilson
 from harness.stats.multiple import adjust_pvalues
 from harness.stats.score import restricted_loss, score_test
-from harness.stats.strata import cluster_variance, stratum_codes
+from harness.stats.strata import estimable_strata, cluster_variance, stratum_codes
 from harness.stats.verdict import verdict_label
 
 __all__ = [
@@ -290,7 +290,7 @@ def paired_compare(
         raise ValueError(f"min_clusters={min_clusters!r} must be a positive integer, e.g. {MIN_CLUSTERS}")
 
     codes = cluster_codes(clusters, n)
-    layers = None if strata is None else stratum_codes(strata, n)
+    layers = None if strata is None else estimable_strata(stratum_codes(strata, n), codes)
     n_clusters = int(codes.max()) + 1
     diffs = quant_scores - ref_scores
     ref_right = ref_scores >= RIGHT_THRESHOLD

@@ -50,6 +50,17 @@ def stratum_codes(strata: ArrayLike | None, n: int) -> np.ndarray:
     return codes.astype(np.int64)
 
 
+def estimable_strata(layers: np.ndarray | None, codes: np.ndarray) -> np.ndarray | None:
+    """``layers``, or None (one stratum) when the stratified design leaves no residual degree of
+    freedom (G - K < 1: every random cluster alone in its stratum, as in a smoke run of a few items).
+    Collapsing the strata then gives the unstratified interval, which counts the strata's differences
+    as noise (wider, never narrower), instead of no interval at all."""
+    if layers is None or int(layers.max()) == 0:
+        return layers
+    n_clusters, n_strata = int(codes.max()) + 1, int(layers.max()) + 1
+    return layers if n_clusters - _components(codes, layers, n_clusters, n_strata) >= 1 else None
+
+
 @dataclass(frozen=True)
 class Design:
     """What the score statistic needs of a slice's design (module docstring)."""

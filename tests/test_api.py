@@ -27,4 +27,7 @@ def test_stage_by_stage_equals_the_cli_pipeline(make_cfg, tmp_path):
     items = pd.read_parquet(next((tmp_path / "results").glob("*")) / "items.parquet")
     merged = comparison.items.set_index("item_id").loc[items["item_id"]]
     assert (merged["correct_quant"].to_numpy() == items["correct_quant"].to_numpy()).all()
-    assert comparison.metrics()["math/kl_mean"] == cli["metrics"]["math/kl_mean"]
+    # the CLI scores the divergence on the states its evaluation forwards left (one prefill per
+    # prompt); divergence_rows runs its own forwards, batched otherwise: float rounding apart
+    # (3.4e-8 relative, measured)
+    assert comparison.metrics()["math/kl_mean"] == pytest.approx(cli["metrics"]["math/kl_mean"], rel=1e-6)

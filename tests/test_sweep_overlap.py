@@ -32,7 +32,7 @@ pytestmark = pytest.mark.slow
 HOLD = '''
 import os, runpy, sys, time
 from pathlib import Path
-from harness import divergence
+from harness.divergence import scoring as divergence
 
 original = divergence.score_reference
 

@@ -20,7 +20,7 @@ def _holder(lock: Path, progress_for_s: float, then_s: float) -> subprocess.Pope
     """A process that takes ``lock`` (stall_s=1), reports progress for a while, then hangs without any."""
     code = f"""
         import time
-        from harness import locks
+        from harness.infra import locks
         lock = locks.OwnedLock({str(lock)!r}, heartbeat_s=0.1, stall_s=1.0)
         lock.acquire()
         print("held", flush=True)

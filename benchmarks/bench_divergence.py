@@ -26,6 +26,9 @@ tokens/s per thread against the evaluate stage's, and checks every reply and sco
 
     nice python benchmarks/bench_divergence.py "job=slices=[math]" work=/tmp/after out=/tmp/after.json
 
+``read=DIR`` reports the same on a run already finished (e.g. ``make run`` from a fresh clone, timed
+from outside).
+
 The "quantized" model is the model with every linear weight perturbed by 1 % of its standard
 deviation (a speed benchmark: the weights' values do not change the work).
 """
@@ -64,6 +67,7 @@ class Options:
     compile: bool = field(default=True, metadata={"help": "also measure the fused statistics under torch.compile"})
     out: str = field(default=str(RESULTS / "divergence.json"), metadata={"help": "JSON written here"})
     job: str = field(default="", metadata={"help": "run a job with these overrides (space-separated) instead"})
+    read: str = field(default="", metadata={"help": "instead, report on this finished run's results directory"})
     code: str = field(default=str(Path(__file__).resolve().parents[1]), metadata={"help": "checkout to run it from"})
     work: str = field(default="/tmp/bench_divergence", metadata={"help": "the job's results and cache (emptied)"})
     expect: str = field(default=str(Path(__file__).resolve().parents[1] / "results" / "example" / "items.parquet"),
@@ -241,8 +245,6 @@ def run_job(options: Options) -> dict[str, Any]:
     """One job from ``options.code`` with an empty cache; its prefill tokens, stage times and replies."""
     import shutil
 
-    import pandas as pd
-
     work = Path(options.work)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -253,6 +255,13 @@ def run_job(options: Options) -> dict[str, Any]:
     subprocess.run(command, cwd=options.code, env=env, check=True, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - start
     directory = next((work / "results").glob("*/summary.json")).parent
+    return {"command": " ".join(command), "code": options.code, "wall_s": wall, **read_run(directory, options.expect)}
+
+
+def read_run(directory: Path, expect: str) -> dict[str, Any]:
+    """Prefill tokens per side against the unique prompt tokens, stage times, replies checked: one finished run."""
+    import pandas as pd
+
     summary = json.loads((directory / "summary.json").read_text())
     tokens = pd.read_parquet(directory / "tokens.parquet")
     served = tokens[tokens["kind"] != "plain"]
@@ -261,17 +270,22 @@ def run_job(options: Options) -> dict[str, Any]:
     throughput = summary["throughput"]
     prefill = {"quantized": sum(throughput.get(s, {}).get("prefill_tokens", 0) for s in ("evaluate", "divergence")),
                "reference": sum(throughput.get(s, {}).get("prefill_tokens", 0) for s in ("reference", "reference_wait"))}
-    threads = summary["runtime"].get("reference_process_threads") or summary["runtime"]["threads"]
+    # the evaluate and divergence stages run in this process, on its threads (the reference process has its own)
+    threads = summary["runtime"]["threads"]
     per_thread = {stage: throughput[stage]["tokens_per_s"] / threads for stage in ("evaluate", "divergence")
                   if stage in throughput}
-    out = {"command": " ".join(command), "code": options.code, "wall_s": wall, "timings": summary["timings"],
+    # the divergence stage's work is the scored positions (both heads and the statistics at each), of which
+    # only those not captured while answering the items are prefilled again
+    if "divergence" in summary["timings"]:
+        per_thread["divergence_scored_positions"] = len(tokens) / summary["timings"]["divergence"] / threads
+    out = {"directory": str(directory), "timings": summary["timings"],
            "throughput": throughput, "runtime": summary["runtime"], "served_texts": texts,
            "unique_prompt_tokens": prompt_tokens, "prefill_tokens": prefill,
            "prefill_per_unique_prompt_token": {side: n / max(prompt_tokens, 1) for side, n in prefill.items()},
            "tokens_per_s_per_thread": per_thread, "kl_mean": summary["metrics"].get("overall/kl_mean")}
     items = pd.read_parquet(directory / "items.parquet")
-    if Path(options.expect).exists():
-        expected = pd.read_parquet(options.expect)
+    if Path(expect).exists():
+        expected = pd.read_parquet(expect)
         expected = expected[expected["slice"].isin(set(items["slice"]))]
         columns = ["response_ref", "response_quant", "correct_ref", "correct_quant"]
         merged = expected.merge(items, on="item_id", how="outer", suffixes=("_expected", ""), indicator=True)
@@ -289,8 +303,9 @@ TOOL = cli.Tool(prog="python benchmarks/bench_divergence.py", options=Options,
 
 def main(argv: list[str] | None = None) -> int:
     options = cli.parse(TOOL, sys.argv[1:] if argv is None else argv).options
-    if options.job:
-        result = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "uptime_before": uptime(), **run_job(options),
+    if options.job or options.read:
+        measured = read_run(Path(options.read), options.expect) if options.read else run_job(options)
+        result = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "uptime_before": uptime(), **measured,
                   "uptime_after": uptime()}
         print(json.dumps(result, indent=1))
         Path(options.out).parent.mkdir(parents=True, exist_ok=True)

@@ -85,6 +85,15 @@ def serial(tmp_path: Path, cache_dir: Path, *schemes: str) -> dict[str, dict]:
     return summaries(tmp_path / "serial")
 
 
+def same_numbers(found: dict, expected: dict) -> None:
+    """Accuracies and flips exactly; token metrics to float rounding. A job that waited for its reference could
+    not keep its states while answering (the reference's replies were not known yet), so the divergence stage
+    runs its texts again, batched otherwise than the serial job's capture: 2.1e-6 relative at most, measured."""
+    assert found == pytest.approx(expected, rel=1e-5, abs=1e-9, nan_ok=True)
+    exact = [k for k in expected if "acc" in k or "flip" in k]
+    assert exact and {k: found[k] for k in exact} == {k: expected[k] for k in exact}
+
+
 def test_second_job_evaluates_while_the_first_computes_the_reference(tmp_path, cache_dir):
     first, second = start_pair(tmp_path, cache_dir, "▶ evaluate")
     for proc, log in ((first, "first.log"), (second, "second.log")):
@@ -101,7 +110,7 @@ def test_second_job_evaluates_while_the_first_computes_the_reference(tmp_path, c
     assert len(entries) == 1 and (entries[0] / "COMPLETE").exists()  # computed once
     expected = serial(tmp_path, cache_dir, "int8", "int4")
     for scheme in ("int8", "int4"):
-        assert found[scheme]["metrics"] == pytest.approx(expected[scheme]["metrics"], rel=1e-12, nan_ok=True)
+        same_numbers(found[scheme]["metrics"], expected[scheme]["metrics"])
         assert found[scheme]["metrics"]["math/kl_mean"] > 0
 
 
@@ -127,4 +136,4 @@ def test_second_job_computes_the_reference_itself_when_the_first_dies(tmp_path, 
     found = summaries(tmp_path / "results")
     assert set(found) == {"int4"} and found["int4"]["reference_deferred"] == ["math"]
     expected = serial(tmp_path, cache_dir, "int4")
-    assert found["int4"]["metrics"] == pytest.approx(expected["int4"]["metrics"], rel=1e-12, nan_ok=True)
+    same_numbers(found["int4"]["metrics"], expected["int4"]["metrics"])

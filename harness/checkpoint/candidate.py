@@ -34,6 +34,14 @@ from the reference's (layers, hidden and intermediate sizes, heads, KV heads fro
 any weight loads; every linear's shape once loaded), :func:`check_compatible` one whose tokenizer or
 vocabulary differs, both before any evaluation: paired items would not be paired, and a 70B checkpoint
 is no quantization of an 8B reference.
+
+Mixture-of-experts candidates: compressed-tensors checkpoints as llm-compressor writes them (one tensor set
+per expert, ``….experts.<e>.gate_proj.weight_packed``), which transformers decompresses and fuses on load.
+Their expert count and per-expert shapes are checked against the reference from config.json and the
+safetensors headers before any weight loads (:func:`check_stored_experts`) and on the loaded model
+(:func:`check_expert_shapes`); the weight report has one layer per expert matrix, and the coverage account
+(:func:`candidate_coverage`) reads which expert weights the checkpoint stores quantized. GPTQ and AWQ
+checkpoints of a mixture of experts are refused (:func:`check_moe_loadable`).
 """
 from __future__ import annotations
 
@@ -59,6 +67,8 @@ REQUIREMENTS: dict[str, tuple[tuple[str, ...], str]] = {
 PIP_NAMES = {"compressed_tensors": "compressed-tensors", "optimum": "optimum", "gptqmodel": "gptqmodel"}
 # compressed-tensors formats that need a GPU kernel (nothing decompresses them on a CPU).
 GPU_ONLY_FORMATS = {"marlin-24", "sparse-24-bitmask"}
+# compressed-tensors formats whose mixture-of-experts experts transformers cannot load (5.25), and why
+MOE_UNLOADABLE_FORMATS = {"int-quantized": "reads no int8 expert weight and stops with a conversion error"}
 
 
 class CandidateError(UserError, ValueError):
@@ -79,6 +89,8 @@ class CandidateScheme:
     activations: Optional[str] = None  # e.g. "fp8 dynamic per token"
     bits_per_weight: Optional[float] = None  # measured from the safetensors headers
     details: dict[str, Any] = field(default_factory=dict)
+    # tensor name → (shape, dtype) from the safetensors headers of a local checkpoint (empty otherwise)
+    tensors: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict, repr=False)
 
     def as_params(self) -> dict[str, Any]:
         """Flat ``candidate.*`` parameters for MLflow and summary.json."""
@@ -184,9 +196,20 @@ def describe(config: dict[str, Any], *, name: str, directory: Path | None = None
         _describe_gptq_awq(qc, scheme)
     elif qc:
         scheme.details = {"quantization_config": qc}
+    if directory is not None:
+        scheme.tensors = stored_tensors(directory)
     if directory is not None and linear_shapes:
         scheme.bits_per_weight = measured_bits_per_weight(directory, linear_shapes, set(scheme.kept))
     return scheme
+
+
+def stored_tensors(directory: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor's (shape, dtype) in ``directory``'s safetensors headers; nothing is loaded."""
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        for tensor, info in _safetensors_header(file).items():
+            out[tensor] = (tuple(int(d) for d in info["shape"]), str(info["dtype"]))
+    return out
 
 
 def _safetensors_header(path: Path) -> dict[str, Any]:
@@ -270,6 +293,51 @@ def check_loadable(scheme: CandidateScheme, device: str, dtype: str | None = Non
                              "vLLM (kv_cache_dtype=fp8, GPU), or export the weights scheme without the KV cache")
 
 
+def _check_experts_as_stored(model: Any, directory: Path, scheme: CandidateScheme) -> None:
+    """The loaded experts equal compressed-tensors' own decompression of the checkpoint's expert tensors
+    (harness.checkpoint.expert_load); where transformers loaded them otherwise, the library's values are
+    written and the quant report says so."""
+    from harness.checkpoint.expert_load import check_loaded_experts
+
+    result = check_loaded_experts(model, directory)
+    if result.rewritten:
+        log.warning("candidate %s: transformers loaded %d of %d expert matrices otherwise than compressed-tensors "
+                    "decompresses them (max |Δ| %.3g); using compressed-tensors' values", scheme.name,
+                    len(result.rewritten), result.matrices, result.max_abs_difference)
+    if result.matrices:
+        scheme.details["experts_from_library"] = {"matrices": result.matrices, "rewritten": len(result.rewritten),
+                                                  "max_abs_difference": result.max_abs_difference}
+
+
+def check_moe_loadable(scheme: CandidateScheme, reference_model: Any) -> None:
+    """Refuse, before loading, a mixture-of-experts checkpoint whose experts transformers would not load as
+    stored: GPTQ and AWQ (their loaders replace ``nn.Linear``s; transformers 5 keeps experts as fused 3-D
+    parameters, so the experts would not be read; not verified here either: gptqmodel is not installed), and
+    the compressed-tensors forms transformers 5.25's expert conversion stops on (INT8 W8A8 ``int-quantized``,
+    asymmetric ``pack-quantized``). NVFP4 experts load, with wrong values (it drops the global scale):
+    :func:`_check_experts_as_stored` replaces them by compressed-tensors' own decompression.
+    """
+    from harness.quant.experts import find_fused_experts
+
+    if not find_fused_experts(reference_model):
+        return
+    if scheme.method in ("gptq", "awq"):
+        raise CandidateError(f"candidate {scheme.name!r} is a {scheme.method} checkpoint of a mixture-of-experts "
+                             "model; the harness does not load those (transformers 5 stores experts as fused 3-D "
+                             f"parameters, which {scheme.method} loaders do not read). Fix: use a compressed-tensors "
+                             "checkpoint of it (llm-compressor), or serve it with vLLM (candidate.serve=...)")
+    if scheme.method != "compressed-tensors":
+        return
+    why = MOE_UNLOADABLE_FORMATS.get(str(scheme.format))
+    if why is None and scheme.symmetric is False:
+        why = "passes no zero point to the decompressor, which stops on asymmetric weights"
+    if why is not None:
+        kind = f"{scheme.format}{'' if scheme.symmetric is not False else ' asymmetric'}"
+        raise CandidateError(f"candidate {scheme.name!r} is a {kind} mixture-of-experts checkpoint, which transformers "
+                             f"{_transformers_version()} cannot load (its expert conversion {why}). Fix: serve it "
+                             "with vLLM (candidate.serve=... or candidate.endpoint=...)")
+
+
 def _vocab_digest(tokenizer: Any) -> str:
     vocab = sorted(tokenizer.get_vocab().items())
     return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
@@ -296,7 +364,14 @@ def check_compatible(reference_tokenizer: Any, candidate_tokenizer: Any, referen
 # config.json fields that fix a decoder's shapes, with the words the refusal uses.
 ARCHITECTURE_FIELDS = {"num_hidden_layers": "layers", "hidden_size": "hidden size",
                        "intermediate_size": "intermediate size", "num_attention_heads": "attention heads",
-                       "num_key_value_heads": "KV heads", "head_dim": "head dim"}
+                       "num_key_value_heads": "KV heads", "head_dim": "head dim",
+                       # mixture of experts (the expert count is compared apart: its field's name differs by
+                       # family and by transformers version, num_experts / num_local_experts / n_routed_experts)
+                       "num_experts_per_tok": "experts per token", "moe_intermediate_size": "expert intermediate size",
+                       "n_shared_experts": "shared experts",
+                       "shared_expert_intermediate_size": "shared expert intermediate size",
+                       "first_k_dense_replace": "leading dense layers", "decoder_sparse_step": "MoE layer step"}
+EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 def _decoder_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -312,10 +387,91 @@ def check_architecture(reference_config: dict[str, Any], candidate_config: dict[
     ours, theirs = _decoder_config(reference_config), _decoder_config(candidate_config)
     problems = [f"{words} {theirs[key]} vs {ours[key]}" for key, words in ARCHITECTURE_FIELDS.items()
                 if ours.get(key) is not None and theirs.get(key) is not None and ours[key] != theirs[key]]
+    experts = [_expert_count(config) for config in (ours, theirs)]
+    if experts[0] != experts[1]:  # also a dense model against a mixture of experts
+        problems.insert(0, f"experts {'none' if experts[1] is None else experts[1]} vs "
+                           f"{'none' if experts[0] is None else experts[0]}")
     if problems:
         raise CandidateError(f"candidate {name!r} is not a quantization of reference {reference_name!r}: "
                              + ", ".join(problems) + " (candidate vs reference). Fix: pick the reference model the "
                              "candidate was made from (model=...)")
+
+
+def _expert_count(config: dict[str, Any]) -> int | None:
+    return next((int(config[key]) for key in EXPERT_COUNT_FIELDS if config.get(key)), None)
+
+
+def _refuse(name: str, reference_name: str, what: str) -> CandidateError:
+    return CandidateError(f"candidate {name!r} is not a quantization of reference {reference_name!r}: {what}. Fix: "
+                          "pick the reference model the candidate was made from (model=...)")
+
+
+def check_stored_experts(reference_model: Any, tensors: dict[str, tuple[tuple[int, ...], str]], *, name: str,
+                         reference_name: str) -> None:
+    """Before the weights load: every MoE layer of the reference stored with as many experts, each matrix of
+    the reference's shape where the headers show it, under the per-expert names engines read.
+
+    Read from the safetensors headers (``scheme.tensors``); skipped for a checkpoint without local files, and
+    for a layer the checkpoint stores fused (``experts.gate_up_proj``) — the loaded model's shapes are
+    compared then (:func:`check_expert_shapes`).
+    """
+    from harness.checkpoint.expert_layout import expert_checkpoint_names, expert_modules
+    from harness.checkpoint.expert_load import stored_name
+
+    experts = expert_modules(reference_model)
+    if not tensors or not experts:
+        return
+    names = expert_checkpoint_names(reference_model, experts)
+    modules = {tensor.rpartition(".")[0] for tensor in tensors}
+    for module_name, info in experts.items():
+        first = names[info.harness_names()[0]]  # ….experts.0.<proj>
+        prefix = first.rpartition(".")[0].rpartition(".")[0]
+        stored = {m for m in modules if m.startswith(prefix + ".")}
+        if not stored or any(m.count(".") == prefix.count(".") + 1 for m in stored):
+            continue  # stored fused, or not at all under this name: the loaded model is checked
+        indices = {m[len(prefix) + 1:].split(".", 1)[0] for m in stored}
+        found = sorted(int(i) for i in indices if i.isdigit())
+        if found != list(range(info.num_experts)):
+            raise _refuse(name, reference_name, f"it stores {len(found)} experts in {prefix} (indices "
+                          f"{found[0] if found else '-'}..{found[-1] if found else '-'}), the reference "
+                          f"{info.num_experts}")
+        for harness_name, target in names.items():
+            if not harness_name.startswith(module_name + "."):
+                continue
+            target = stored_name(harness_name, target, tensors)
+            out, inp = info.shape(harness_name.rsplit(".", 1)[1])
+            weight = tensors.get(f"{target}.weight") or tensors.get(f"{target}.weight_packed")
+            if weight is None:
+                raise _refuse(name, reference_name, f"expert matrix {target} is missing from the checkpoint")
+            shape = weight[0]
+            dense = f"{target}.weight" in tensors
+            if (dense and tuple(shape) != (out, inp)) or (not dense and shape[0] != out):
+                raise _refuse(name, reference_name, f"expert matrix {target} is stored as {list(shape)}, the "
+                              f"reference's is [{out}, {inp}]")
+
+
+def check_expert_shapes(reference_model: Any, candidate_model: Any, *, name: str, reference_name: str) -> None:
+    """Once loaded: every fused experts module of the reference in the candidate, with as many experts and
+    the same [out, in] per projection."""
+    from harness.quant.experts import find_fused_experts
+
+    ours, theirs = find_fused_experts(reference_model), find_fused_experts(candidate_model)
+    problems = []
+    for module_name, info in ours.items():
+        other = theirs.get(module_name)
+        if other is None:
+            problems.append(f"{module_name} missing")
+            continue
+        if other.num_experts != info.num_experts:
+            problems.append(f"{module_name} {other.num_experts} experts vs {info.num_experts}")
+            continue
+        for proj in info.projections():
+            if proj not in other.projections() or other.shape(proj) != info.shape(proj):
+                found = list(other.shape(proj)) if proj in other.projections() else "missing"
+                problems.append(f"{module_name}.{proj} {found} vs {list(info.shape(proj))}")
+    if problems:
+        raise _refuse(name, reference_name, f"{len(problems)} experts module(s) differ (candidate vs reference), e.g. "
+                      + "; ".join(problems[:3]))
 
 
 def check_linear_shapes(reference_model: Any, candidate_model: Any, *, name: str, reference_name: str) -> None:
@@ -351,6 +507,26 @@ def linear_shapes(model: Any) -> dict[str, tuple[int, int]]:
 
     return {name: (module.out_features, module.in_features) for name, module in model.named_modules()
             if isinstance(module, torch.nn.Linear)}
+
+
+def checkpoint_shapes(model: Any) -> tuple[dict[str, tuple[int, int]], dict[str, str]]:
+    """(module name in a checkpoint → (out, in), harness name → checkpoint name) of every Linear and every
+    mixture-of-experts expert matrix of ``model``: experts are stored one Linear per expert matrix
+    (``….mlp.experts.3.gate_proj``, ``….block_sparse_moe.experts.3.w1``; harness.checkpoint.expert_layout),
+    however the model holds them (fused, or unfused by an activation-quantized scheme)."""
+    from harness.checkpoint.expert_layout import checkpoint_names, expert_checkpoint_names, expert_modules
+
+    experts = expert_modules(model)
+    inside = tuple(f"{name}." for name in experts)
+    dense = {name: shape for name, shape in linear_shapes(model).items() if not name.startswith(inside)}
+    saved = checkpoint_names(model, [f"{name}.weight" for name in dense]) if experts else {}
+    names = {name: saved.get(f"{name}.weight", f"{name}.weight").removesuffix(".weight") for name in dense}
+    shapes = {names[name]: shape for name, shape in dense.items()}
+    expert_names = expert_checkpoint_names(model, experts) if experts else {}
+    for name, target in expert_names.items():
+        prefix, _, proj = name.rpartition(".")
+        shapes[target] = experts[prefix.rpartition(".")[0]].shape(proj)
+    return shapes, {**names, **expert_names}
 
 
 def read_config(cfg: CandidateConfig) -> tuple[dict[str, Any], Path | None]:
@@ -424,7 +600,8 @@ def load(cfg: CandidateConfig, reference: ModelConfig, cache_dir: str, *, refere
     from harness.models import loading as models
 
     name = candidate_name(cfg)
-    shapes = linear_shapes(reference_model)
+    directory: Path | None = None
+    shapes, _ = checkpoint_shapes(reference_model)
     reference_config = reference_model.config.to_dict()
     if cfg.gguf_file:
         file = gguf_path(cfg)
@@ -433,7 +610,9 @@ def load(cfg: CandidateConfig, reference: ModelConfig, cache_dir: str, *, refere
         config, directory = read_config(cfg)
         check_architecture(reference_config, config, name=name, reference_name=reference.name)
         scheme = describe(config, name=name, directory=directory, linear_shapes=shapes)
+        check_stored_experts(reference_model, scheme.tensors, name=name, reference_name=reference.name)
     check_loadable(scheme, reference.device, reference.dtype)
+    check_moe_loadable(scheme, reference_model)
     if cfg.gguf_file:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -448,6 +627,9 @@ def load(cfg: CandidateConfig, reference: ModelConfig, cache_dir: str, *, refere
         loaded = models.load(model_config(cfg, reference), cache_dir)
     check_architecture(reference_config, loaded.model.config.to_dict(), name=name, reference_name=reference.name)
     check_linear_shapes(reference_model, loaded.model, name=name, reference_name=reference.name)
+    check_expert_shapes(reference_model, loaded.model, name=name, reference_name=reference.name)
+    if scheme.method == "compressed-tensors" and not cfg.gguf_file and directory is not None:
+        _check_experts_as_stored(loaded.model, directory, scheme)
     check_compatible(reference_tokenizer, loaded.tokenizer, reference_model.config.vocab_size,
                      loaded.model.config.vocab_size, name=name)
     with torch.no_grad():  # compressed-tensors decompresses on the first forward; do it before timing
@@ -483,13 +665,134 @@ def weight_report(reference_model: Any, candidate_model: Any, scheme: CandidateS
             report.kept.append(name)
             continue
         report.add_layer(name, module.weight, weight.to(module.weight.device), bits)
+    _expert_layers(reference_model, candidate_model, report, bits)
     if not report.layers and not report.kept:
         raise CandidateError(f"candidate {scheme.name!r}: none of the reference's {linears} linears is in it with the "
                              "same name and dense weight shape, so its weights cannot be compared (a weight report "
                              "over 0 layers); load it with a library that dequantizes it (see harness/candidate.py) "
                              "or pick the reference it was made from")
     report.kept_params, report.output_head, report.input_embedding = linear_census(reference_model, report.kept)
+    report.coverage = candidate_coverage(reference_model, scheme)
+    experts = scheme.details.get("experts_from_library")
+    if experts and experts["rewritten"]:
+        report.notes.append(f"experts: {experts['rewritten']} of {experts['matrices']} expert matrices were loaded "
+                            "by transformers otherwise than compressed-tensors decompresses them (max |Δ| "
+                            f"{experts['max_abs_difference']:.3g}); the library's values are used")
     report.notes.append(f"external candidate ({scheme.method}, {scheme.format}); bits per weight measured from "
                         "the checkpoint's stored tensors" if scheme.bits_per_weight else
                         f"external candidate ({scheme.method}); bits per weight from its config")
     return report
+
+
+def _expert_layers(reference_model: Any, candidate_model: Any, report: Any, bits: float) -> None:
+    """Each expert matrix of the reference against the candidate's (both fused, as transformers loads them):
+    one layer of the weight report per expert and projection, ``<experts>.<e>.<proj>``; identical ones kept."""
+    from harness.quant.experts import find_fused_experts
+
+    theirs = find_fused_experts(candidate_model)
+    for module_name, info in find_fused_experts(reference_model).items():
+        other = theirs.get(module_name)
+        if other is None or other.num_experts != info.num_experts:
+            continue
+        for expert in range(info.num_experts):
+            for proj in info.projections():
+                ours, candidate_matrix = info.matrix(expert, proj), other.matrix(expert, proj)
+                if candidate_matrix.shape != ours.shape:
+                    continue
+                name = f"{module_name}.{expert}.{proj}"
+                if bool((candidate_matrix.to(ours.dtype) == ours).all()):
+                    report.kept.append(name)
+                else:
+                    report.add_layer(name, ours, candidate_matrix.to(ours.device), bits)
+
+
+def _ignored(name: str, ignore: list[str]) -> bool:
+    """Whether a compressed-tensors ``ignore`` entry (a module name, a ``re:`` pattern, a name's last part)
+    or a GPTQ/AWQ ``modules_to_not_convert`` entry names module ``name``."""
+    for entry in ignore:
+        if entry.startswith("re:"):
+            if re.match(entry[3:], name):
+                return True
+        elif name == entry or name.endswith("." + entry):
+            return True
+    return False
+
+
+def _weight_spec(scheme: CandidateScheme) -> Any:
+    """The candidate's weight format as the harness's spec (for the coverage account's format label)."""
+    from harness.config import TensorQuantConfig
+
+    strategy = scheme.details.get("strategy") or ("group" if (scheme.group_size or 0) > 0 else "channel")
+    if scheme.format == "nvfp4-pack-quantized":
+        return TensorQuantConfig(format="nvfp4", granularity="group", group_size=16)
+    if scheme.details.get("weight_type") == "float" and scheme.bits == 8:
+        return TensorQuantConfig(format="fp8_e4m3", granularity="tensor" if strategy == "tensor" else "channel")
+    granularity = strategy if strategy in ("group", "channel", "tensor") else "group"
+    return TensorQuantConfig(format="int", bits=int(scheme.bits or 8), symmetric=scheme.symmetric is not False,
+                             granularity=granularity, group_size=int(scheme.group_size or 128))
+
+
+def candidate_coverage(reference_model: Any, scheme: CandidateScheme) -> Any:
+    """The coverage account of an external checkpoint (harness.quant.coverage), parameter by parameter of
+    the reference: what the checkpoint stores quantized, read from its tensors (a ``weight_packed``,
+    ``weight_scale`` or ``qweight`` beside the module's name; expert matrices under their per-expert names),
+    or, without local files, from its config (quantized unless ``ignore`` / ``modules_to_not_convert`` names
+    it). Kept matrices name the checkpoint's rule: ``checkpoint.ignore`` when its ignore list names them,
+    else ``checkpoint.targets``. A fused experts parameter whose experts are partly quantized is not covered.
+    Quantized matrices count at the bits per weight measured from the checkpoint. None for formats without
+    per-module names (GGUF) or a checkpoint with no quantization."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from harness.checkpoint.expert_load import stored_name
+    from harness.quant.coverage import KEPT, NOT_COVERED, QUANTIZED, coverage_account
+    from harness.quant.experts import find_fused_experts
+
+    if scheme.method not in ("compressed-tensors", "gptq", "awq") or not scheme.bits:
+        return None
+    _, names = checkpoint_shapes(reference_model)
+
+    def stored_quantized(module: str) -> bool:
+        saved = names.get(module, module)
+        if scheme.tensors and module in names and "experts." in module:
+            saved = stored_name(module, saved, scheme.tensors)
+        if scheme.tensors:
+            return any(f"{saved}.{leaf}" in scheme.tensors for leaf in ("weight_packed", "weight_scale", "qweight"))
+        return not _ignored(saved, scheme.kept)
+
+    def kept_rule(module: str) -> str:
+        return "checkpoint.ignore" if _ignored(names.get(module, module), scheme.kept) else "checkpoint.targets"
+
+    targets = {name: module for name, module in reference_model.named_modules()
+               if isinstance(module, nn.Linear) and stored_quantized(name)}
+    spec = _weight_spec(scheme)
+    pseudo = SimpleNamespace(name=scheme.name, weights=spec, keep=[], targets=["*"], moe=None)
+    account = coverage_account(reference_model, pseudo, targets)
+    fused = find_fused_experts(reference_model)
+    entries = []
+    for entry in account.entries:
+        module, _, param = entry.name.rpartition(".")
+        if module in fused and entry.status == QUANTIZED and entry.dims == 3:
+            info = fused[module]
+            flags = [stored_quantized(f"{module}.{e}.{proj}") for e in range(info.num_experts)
+                     for proj in info.projections() if info.fused_param(proj) == param]
+            if not any(flags):
+                rule = kept_rule(f"{module}.0.{next(p for p in info.projections() if info.fused_param(p) == param)}")
+                entry = dataclasses.replace(entry, status=KEPT, rule=rule, bits=16.0)
+            elif not all(flags):
+                entry = dataclasses.replace(entry, status=NOT_COVERED, rule="", bits=16.0)
+        elif entry.status == KEPT and entry.rule in ("quant.keep", "quant.targets"):
+            entry = dataclasses.replace(entry, rule=kept_rule(module))
+        if entry.status == QUANTIZED and scheme.bits_per_weight:
+            entry = dataclasses.replace(entry, bits=float(scheme.bits_per_weight))
+        entries.append(entry)
+    account.entries = entries
+    return account
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__

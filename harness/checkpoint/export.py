@@ -25,6 +25,13 @@ Representable schemes (anything else is refused with this list, :data:`REPRESENT
   ``kv_cache_dtype=fp8`` reads them. KIVI-style int KV caches, dynamic or per-head scales and
   full-precision residual windows have no compressed-tensors form and are refused.
 
+Mixture-of-experts models (transformers 5's fused ``gate_up_proj`` / ``down_proj`` experts) are written
+as checkpoints on the hub are: one tensor set per expert matrix, ``<layer>.mlp.experts.<e>.gate_proj``
+(``up_proj``, ``down_proj``; Mixtral's ``block_sparse_moe.experts.<e>.w1`` / ``w3`` / ``w2``), the names
+transformers fuses on load and vLLM's ``FusedMoE`` loaders and llm-compressor use
+(``harness.checkpoint.expert_layout``). Each expert matrix is packed exactly as a Linear of its shape
+would be; the routers stay dense and are listed in ``ignore``.
+
 The harness keeps dequantized weights, not codes, so the grid of each weight group is
 recovered from the values (``harness.checkpoint.export_grids``): every group's values are integer
 multiples of one scale (around one zero point), which is found exactly for RTN's
@@ -183,18 +190,21 @@ def kv_cache_args(scheme: QuantConfig) -> Any:
     return QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="tensor", dynamic=False)
 
 
-def check_whole_groups(targets: dict[str, nn.Linear], scheme: QuantConfig) -> None:
+def check_whole_groups(targets: dict[str, nn.Linear], scheme: QuantConfig,
+                       experts: dict[str, tuple[int, int]] | None = None) -> None:
     """Refuse, in one line and before quantizing, group sizes that leave a shorter last group.
 
     The harness evaluates ragged groups (``ragged_groups``: a last group of ``in % group_size``
     columns, as the GPTQ reference does), but compressed-tensors refuses to store them (``tensor
     column shape must be divisible by the given group_size``) and vLLM's grouped kernels need whole
     groups, so no file both would read exists. The fix names the group sizes that divide every layer.
+    ``experts``: (out, in) of the fused expert matrices the scheme quantizes (``expert_shapes``).
     """
     weights = scheme.weights
-    if weights is None or weights.granularity != "group" or not targets:
+    if weights is None or weights.granularity != "group" or not (targets or experts):
         return
     sizes = {name: module.in_features for name, module in targets.items()}
+    sizes.update({name: shape[1] for name, shape in (experts or {}).items()})
     ragged = {name: size for name, size in sizes.items() if size % weights.group_size}
     if not ragged:
         return
@@ -226,6 +236,9 @@ class ExportResult:
     # bits per weight as written (harness.quant.base.bits_per_weight: quantized linears as stored — scales in the
     # model's dtype —, kept ones at 16): what a run of this checkpoint as a candidate reports
     bits_per_weight: float | None = None
+    # mixture of experts: each quantized expert matrix's harness name → its module name in the checkpoint
+    # (``….mlp.experts.3.gate_proj``; ``….block_sparse_moe.experts.3.w1`` for Mixtral), and the routers kept
+    expert_names: dict[str, str] = field(default_factory=dict)
 
 
 @torch.no_grad()
@@ -317,6 +330,11 @@ def export(model: nn.Module, tokenizer: Any, scheme: QuantConfig, out: str | Pat
     (``harness.quant.base.target_linears``). ``calibration``: token batches for the static
     ``input_global_scale`` of NVFP4 activations (needed only then). Raises :class:`ExportError`
     before writing anything when the scheme is not representable.
+
+    Mixture-of-experts experts (fused 3-D parameters, or the per-expert Linears an activation-quantized
+    scheme leaves) are written one tensor set per expert matrix, under the names transformers, vLLM and
+    llm-compressor read (:mod:`harness.checkpoint.expert_layout`); the routers are written dense and named in
+    ``ignore`` (llm-compressor's convention, so no engine quantizes them on load).
     """
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
@@ -325,8 +343,34 @@ def export(model: nn.Module, tokenizer: Any, scheme: QuantConfig, out: str | Pat
         apply_quantization_config,
     )
 
+    from harness.checkpoint.expert_layout import (
+        checkpoint_names,
+        expert_modules,
+        expert_selection,
+        harness_expert_weights,
+        to_checkpoint_layout,
+    )
+    from harness.quant.experts import find_routers, name_matches
+
     fields = quantization_args(scheme)
-    check_whole_groups(targets, scheme)
+    every_expert = expert_modules(model) if fields else {}
+    all_weights = harness_expert_weights(model, every_expert)
+    selected = {name: weight for name, weight in all_weights.items()
+                if name_matches(name, list(scheme.targets)) and not name_matches(name, list(scheme.keep))}
+    unmapped = sorted({type(info.fused.module).__name__ for name, info in every_expert.items() if not info.mapped
+                       and any(n.startswith(name + ".") for n in selected)})
+    if unmapped:
+        raise ExportError(f"cannot export the quantized experts of {', '.join(unmapped)} "
+                          f"({getattr(model.config, 'model_type', '?')}): transformers has no per-expert checkpoint "
+                          "layout for this family, so it could not load them back; keep the experts "
+                          "(quant.keep=['*experts*']) to export the rest")
+    experts = {name: info for name, info in every_expert.items() if info.mapped}  # unmapped ones stay fused, dense
+    expert_weights = {name: w for name, w in all_weights.items() if name.rsplit(".", 2)[0] in experts}
+    dense_targets = {name: module for name, module in targets.items() if name not in all_weights}
+    check_whole_groups(dense_targets, scheme, {name: tuple(w.shape) for name, w in selected.items()})
+    _, _, partial = expert_selection(experts, list(scheme.targets), list(scheme.keep))
+    if partial:
+        log.warning("experts of %s are partly quantized: the others are written dense and named in ignore", partial)
     kv_args = kv_cache_args(scheme)
     out = Path(out)
     if out.exists() and any(out.iterdir()):
@@ -335,18 +379,25 @@ def export(model: nn.Module, tokenizer: Any, scheme: QuantConfig, out: str | Pat
     input_amax: dict[str, Tensor] = {}
     if scheme.activations is not None and scheme.activations.format == "nvfp4":
         input_amax = calibrate_input_amax(model, targets, calibration or [])
-    harness_weights = {name: module.weight.detach() for name, module in targets.items()} if fields else {}
+    harness_weights = {name: module.weight.detach() for name, module in dense_targets.items()} if fields else {}
+    harness_weights.update(selected)
     exported = _plain_copy(model)
+    layout = {name: experts[name.rsplit(".", 2)[0]].layout_name(name) for name in expert_weights}
+    if experts:
+        to_checkpoint_layout(exported, experts, expert_weights)
+    dense_kept = [name for name in kept if name not in all_weights]
+    ignored = sorted(dense_kept) + sorted(layout[name] for name in expert_weights if name not in selected)
     groups = {"group_0": QuantizationScheme(targets=["Linear"], **fields)} if fields else {}
-    config = QuantizationConfig(config_groups=groups, ignore=sorted(kept) if fields else [],
+    config = QuantizationConfig(config_groups=groups, ignore=ignored if fields else [],
                                 kv_cache_scheme=kv_args, quantization_status="frozen")
     apply_quantization_config(exported, config, show_progress=False)
     modules = dict(exported.named_modules())
     for name, weight in harness_weights.items():
         assert scheme.weights is not None
-        _write_weight_qparams(modules[name], weight, scheme.weights)
+        module = modules[layout.get(name, name)]
+        _write_weight_qparams(module, weight, scheme.weights)
         if name in input_amax:
-            _set(modules[name], "input_global_scale", _global_scale(input_amax[name]))
+            _set(module, "input_global_scale", _global_scale(input_amax[name]))
     for name, (key_scale, value_scale) in kv_scales.items():
         # llm-compressor's names, read by vLLM (kv_cache_dtype=fp8): <attention>.k_scale / .v_scale, shape [1].
         # Registered here: compressed-tensors 0.20 does not recognise transformers 5.24's attention (its
@@ -363,28 +414,55 @@ def export(model: nn.Module, tokenizer: Any, scheme: QuantConfig, out: str | Pat
     out.mkdir(parents=True, exist_ok=True)
     exported.save_pretrained(out)
     compressor.update_config(str(out))
+    saved: dict[str, str] = {}
+    if experts:
+        routers = sorted(find_routers(model))
+        saved = {key.removesuffix(".weight"): value.removesuffix(".weight") for key, value in checkpoint_names(
+            exported, [f"{name}.weight" for name in ignored + routers + sorted(set(layout.values()))]).items()}
+        _rewrite_ignore(out, sorted({saved[name] for name in ignored + routers}))
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     qconfig = json.loads((out / "config.json").read_text())["quantization_config"]
     error, kv_error = verify(out, harness_weights, model, kv_scales)
-    stored = stored_error(out, harness_weights) if qconfig.get("format") == "nvfp4-pack-quantized" else error
-    log.info("exported %d quantized linears (%s) to %s; max |Δw| vs the harness %.3g", len(harness_weights),
-             qconfig.get("format"), out, error)
+    expert_names = {name: saved[layout[name]] for name in selected}
+    stored = (stored_error(out, harness_weights, expert_names) if qconfig.get("format") == "nvfp4-pack-quantized"
+              else error)
+    log.info("exported %d quantized linears and expert matrices (%s) to %s; max |Δw| vs the harness %.3g",
+             len(harness_weights), qconfig.get("format"), out, error)
     kept = sorted(kept) if fields else sorted(set(kept) | set(targets))  # KV cache only: every linear kept
     return ExportResult(out, str(qconfig.get("format")), sorted(harness_weights), kept, error, qconfig,
                         stored, kv_error, {name: float(_global_scale(a)) for name, a in input_amax.items()},
-                        written_bits_per_weight(out, model, kept))
+                        written_bits_per_weight(out, model, sorted(set(kept) | (set(all_weights) - set(selected)))),
+                        expert_names)
+
+
+def _rewrite_ignore(directory: Path, ignore: list[str]) -> None:
+    """Set ``quantization_config.ignore`` in ``directory``'s config.json (checkpoint names: what vLLM matches)."""
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    config["quantization_config"]["ignore"] = ignore
+    path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def written_bits_per_weight(directory: Path, model: nn.Module, kept: list[str]) -> float:
-    """Bits per weight of the checkpoint in ``directory`` (its safetensors headers), as runs count them."""
-    from harness.checkpoint.candidate import linear_shapes, measured_bits_per_weight
-    from harness.quant.base import bits_per_weight, linear_census
+    """Bits per weight of the checkpoint in ``directory`` (its safetensors headers), as runs count them.
 
-    shapes = linear_shapes(model)
-    kept_params, head, _ = linear_census(model, kept)
-    stored = measured_bits_per_weight(directory, shapes, set(kept))
-    quantized = sum(out * inp for name, (out, inp) in shapes.items() if name not in kept and name != head)
+    ``kept``: harness names of the linears and expert matrices left in high precision. Expert matrices count
+    as the Linears they are stored as; routers that are not Linears count at 16 bits, as the coverage
+    account counts them (``harness.quant.coverage``)."""
+    from harness.checkpoint.candidate import checkpoint_shapes, measured_bits_per_weight
+    from harness.quant.base import bits_per_weight, linear_census
+    from harness.quant.experts import find_routers
+
+    shapes, names = checkpoint_shapes(model)
+    _, head, _ = linear_census(model, kept)
+    kept_saved = {names.get(name, name) for name in kept}
+    head_saved = names.get(head, head) if head is not None else None
+    stored = measured_bits_per_weight(directory, shapes, kept_saved)
+    quantized = sum(out * inp for name, (out, inp) in shapes.items() if name not in kept_saved and name != head_saved)
+    kept_params = sum(out * inp for name, (out, inp) in shapes.items() if name in kept_saved and name != head_saved)
+    kept_params += sum(model.get_submodule(name).weight.numel() for name in find_routers(model)
+                       if not isinstance(model.get_submodule(name), nn.Linear))
     return bits_per_weight([(quantized, stored)] if stored is not None and quantized else [], kept_params)
 
 
@@ -402,6 +480,7 @@ TOOL = cli.Tool(prog="python -m harness.export", options=ExportOptions, run_conf
 def _body(parsed: cli.Parsed[ExportOptions]) -> int:
     from harness import quant
     from harness.quant.base import target_linears
+    from harness.quant.experts import expert_shapes
 
     options = parsed.options
     assert options is not None
@@ -415,7 +494,8 @@ def _body(parsed: cli.Parsed[ExportOptions]) -> int:
     from harness.decision.quant_report import prepare
 
     prepared = prepare(cfg)
-    check_whole_groups(target_linears(prepared.loaded.model, prepared.scheme)[0], prepared.scheme)  # before work
+    check_whole_groups(target_linears(prepared.loaded.model, prepared.scheme)[0], prepared.scheme,  # before work
+                       expert_shapes(prepared.loaded.model, prepared.scheme))
     quant.apply(prepared.loaded.model, prepared.scheme, prepared.context)
     targets, kept = target_linears(prepared.loaded.model, prepared.scheme)
     calibration = (prepared.context.calibration_batches()
@@ -423,7 +503,9 @@ def _body(parsed: cli.Parsed[ExportOptions]) -> int:
                    else None)
     result = export(prepared.loaded.model, prepared.loaded.tokenizer, prepared.scheme, options.out,
                     targets=targets, kept=kept, calibration=calibration)
-    print(f"wrote {result.directory} ({result.format}; {len(result.quantized)} quantized linears, "
+    experts = len(result.expert_names)
+    print(f"wrote {result.directory} ({result.format}; {len(result.quantized) - experts} quantized linears"
+          + (f" and {experts} expert matrices, one tensor set per expert" if experts else "") + ", "
           f"{len(result.kept)} kept; {result.bits_per_weight:.4f} bits/weight as written); "
           f"max |Δw| vs the harness's weights {result.max_abs_weight_error:.3g} "
           f"(decompressed by compressed-tensors), {result.max_abs_stored_error:.3g} (stored values)"

@@ -158,12 +158,12 @@ def reference_key_of(args: list[str]) -> str:
     sys.path.insert(0, str(REPO))
     from harness.models import loading as models
     from harness.config import compose
-    from harness.job.identity import reference_key, to_config
+    from harness.job.identity import ReferenceSpec, reference_key, to_config
     from harness.evaluation.slices import resolve
 
     cfg = to_config(compose(args))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)
-    return reference_key(loaded, resolve(cfg.slices)[0], cfg)
+    return reference_key(loaded, resolve(cfg.slices)[0], ReferenceSpec.of(cfg))
 
 
 OOM_PROGRAM = """

@@ -92,7 +92,7 @@ def mean_kl(reference: list[torch.Tensor], other: list[torch.Tensor]) -> float:
 
 def text_sets(loaded: models.LoadedModel, cfg, args: argparse.Namespace) -> dict[str, list[torch.Tensor]]:
     slice_ = resolve(cfg.slices)[0]
-    math = divergence_texts(slice_, cfg, eval_settings(cfg, tokenizer_dir(loaded)))
+    math = divergence_texts(slice_, eval_settings(cfg, tokenizer_dir(loaded)))
     ids = loaded.tokenizer(offline_corpus(), add_special_tokens=False, return_tensors="pt")["input_ids"][0]
     rng = random.Random("bench_fp8_bf16/prose")
     starts = sorted(rng.randrange(0, len(ids) - args.prose_tokens) for _ in range(args.prose_windows))

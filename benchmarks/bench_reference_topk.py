@@ -74,7 +74,7 @@ def measure(args: argparse.Namespace) -> dict:
     per_slice: dict[str, dict] = {}
     start = time.perf_counter()
     for slice_ in resolve(cfg.slices):
-        texts = divergence_texts(slice_, cfg, settings)
+        texts = divergence_texts(slice_, settings)
         exact_kl, exact_rev, compact_kl = [], [], {k: [] for k in ks}
         compact_rev, tail_mass = {k: [] for k in ks}, {k: [] for k in ks}
         for text in texts:

@@ -30,7 +30,7 @@ _EXPORTS = {
     "to_config": ("harness.job.identity", "to_config"),
     "run_job": ("harness.job.pipeline", "run"),
     "eval_settings": ("harness.job.identity", "eval_settings"),
-    "reference": ("harness.job.reference", "compute_reference"),
+    "reference": ("harness.job.reference", "reference"),
     "load_model": ("harness.models.loading", "load"),
     "quantize": ("harness.quant", "apply"),
     "with_model_defaults": ("harness.quant", "with_model_defaults"),

@@ -60,7 +60,7 @@ class ModelConfig:
 @dataclass
 class CandidateConfig:
     """An externally quantized checkpoint evaluated instead of the harness's own quantization
-    (``quant=external candidate.path=...``; see harness/candidate.py for the formats)."""
+    (``quant=external candidate.path=...``; see harness/checkpoint/candidate.py for the formats)."""
 
     path: Optional[str] = None  # hub id or local directory; None: the harness quantizes as quant= says
     gguf_file: Optional[str] = None  # a .gguf file inside `path` (a directory or an installed package)
@@ -75,6 +75,9 @@ class CandidateConfig:
     endpoint_api_key_env: Optional[str] = None  # NAME of the environment variable holding the API key, never the key
     endpoint_timeout_s: float = 600.0  # one request; a server silent for longer counts as hung
     endpoint_batch_size: int = 8  # prompts per log-likelihood request
+    # log-probs asked per position of the divergence texts: KL on the server's top-k partition, a lower bound of the
+    # exact KL that tightens as k grows (vLLM returns at most --max-logprobs, 20 by default); 0: no token divergence
+    endpoint_divergence_topk: int = 20
     serve_startup_s: float = 900.0  # how long candidate.serve may take to answer /health
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -45,6 +46,7 @@ def pytest_configure(config: pytest.Config) -> None:
 # --no-loadscope-reorder (Makefile) xdist hands out files in collection order; pytest-xdist's default
 # order (most tests first) put the two-test console file, 190 s, last.
 LONGEST_FIRST = ("test_endpoint_vllm.py",  # a real vLLM server: 4 jobs, ~14 min at load 10 (2026-12-03)
+                 "test_parity_vllm.py",  # an export, 3 jobs, two vLLM servers: 8.6 min at load 7 (2026-12-03)
                  "test_smoke_matrix.py", "test_console.py",  # 182, 122 s in a suite run of 2026-12-02
                  "test_bf16.py", "test_sweeps.py", "test_resume.py",  # ~110, 109, ~100
                  "test_tracking_server.py", "test_slice_long_context.py", "test_pipeline.py",  # 75-64
@@ -102,3 +104,54 @@ def make_cfg(tmp_path: Path, cache_dir: Path, mlflow_template: Path):
 # Both math tasks (the multiple-choice one is opt-in since issue 12): the tests cover loglikelihood scoring too.
 TINY_MATH = ["model=tiny_random", "slices=[math]", "slices.math.n_items=18", "slices.math.divergence_texts=4",
              "slices.math.tasks=[harness_math_gen,harness_math_mc]"]
+
+
+def perturbed_llama_pair(vocab_size: int = 96, num_hidden_layers: int = 1) -> tuple[Any, Any]:
+    """A small random Llama (transformers) as the reference and a copy with every weight perturbed by 5 % of its
+    mean magnitude as the "quantized" model; the reference's head is sharpened (x8) so that its distributions
+    are far from uniform: KL well above float32 rounding, and top-k matters. Seeded: the same pair every call."""
+    import copy
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=num_hidden_layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=128)
+    reference = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        reference.lm_head.weight.mul_(8.0)
+    quantized = copy.deepcopy(reference)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in quantized.parameters():
+            parameter.add_(0.05 * parameter.abs().mean() * torch.randn(parameter.shape, generator=generator))
+    return reference, quantized
+
+
+@pytest.fixture(scope="module")
+def llama_pair() -> tuple[Any, Any]:
+    """:func:`perturbed_llama_pair` with one layer and a 96-token vocabulary, built once per test file."""
+    return perturbed_llama_pair()
+
+
+def quantized_tiny(name: str, *extra: str) -> tuple[Any, Any, dict, list]:
+    """The tiny random model with scheme ``name`` applied (8 calibration samples of 64 tokens; ``extra``
+    overrides): (the prepared job, an unquantized copy of its model, the quantized target linears, the names
+    kept in high precision)."""
+    import copy
+
+    from omegaconf import OmegaConf
+
+    from harness import quant
+    from harness.decision.quant_report import prepare
+    from harness.quant.base import target_linears
+
+    cfg = OmegaConf.to_object(compose([f"quant={name}", "model=tiny_random", "quant.calibration.num_samples=8",
+                                       "quant.calibration.seq_len=64", *extra]))
+    prepared = prepare(cfg)
+    reference = copy.deepcopy(prepared.loaded.model)
+    quant.apply(prepared.loaded.model, prepared.scheme, prepared.context)
+    targets, kept = target_linears(prepared.loaded.model, prepared.scheme)
+    return prepared, reference, targets, kept

@@ -6,7 +6,9 @@ KV cache, and cuts replies at stop strings, so an endpoint candidate evaluated t
 compared item by item with the same model evaluated in process. Faults are switches: ``vocab_shift``
 (another vocabulary: every id the server tokenizes or echoes is moved by that much), ``api_key``
 (401 without it), ``die_after`` (the server stops, dropping the connection, at that completion
-request), ``hang_s`` (each completion waits that long first).
+request), ``hang_s`` (each completion waits that long first), ``prompt_logprobs=False`` (echoed prompt
+tokens come without log-probs, as from a server that gives none), ``max_logprobs`` (a request asking
+for more log-probs per token is refused with HTTP 400, as vLLM's ``--max-logprobs`` does).
 
 ``python tests/fake_openai.py --port N`` serves only ``/health`` and ``/v1/models`` (no model): a
 stand-in process for the ``candidate.serve`` tests.
@@ -24,9 +26,10 @@ from typing import Any
 class FakeServer:
     def __init__(self, model: Any = None, tokenizer: Any = None, *, name: str = "fake", max_model_len: int = 2048,
                  vocab_shift: int = 0, api_key: str | None = None, die_after: int | None = None,
-                 hang_s: float = 0.0, port: int = 0):
+                 hang_s: float = 0.0, port: int = 0, prompt_logprobs: bool = True, max_logprobs: int | None = None):
         self.model, self.tokenizer, self.name, self.max_model_len = model, tokenizer, name, max_model_len
         self.vocab_shift, self.api_key, self.die_after, self.hang_s = vocab_shift, api_key, die_after, hang_s
+        self.prompt_logprobs, self.max_logprobs = prompt_logprobs, max_logprobs
         self.completions = 0  # completion requests answered
         self.prompts = 0  # prompts scored or generated
         self.seen_headers: list[dict[str, str]] = []
@@ -74,6 +77,9 @@ class FakeServer:
             prompts = [prompts]
         as_ids = bool(body.get("return_tokens_as_token_ids"))
         k = int(body.get("logprobs") or 0)
+        if self.max_logprobs is not None and k > self.max_logprobs:
+            raise ValueError(f"Requested sample logprobs of {k}, which is greater than max allowed: "
+                             f"{self.max_logprobs}")
         stops = [s for s in (body.get("stop") or []) if s]
         eos = self.tokenizer.eos_token_id
         choices = []
@@ -105,6 +111,9 @@ class FakeServer:
                 entry = {self._text(int(i), as_ids): float(v) for v, i in zip(best.values, best.indices)}
                 entry[self._text(every[pos], as_ids)] = float(row[every[pos]])
                 top.append(entry)
+            if not self.prompt_logprobs:  # the prompt's tokens echoed, their log-probs not given
+                token_logprobs[:len(ids)] = [None] * len(ids)
+                top[:len(ids)] = [None] * len(ids)
             prompt_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids, skip_special_tokens=False)
             texts = [self._text(i, as_ids) for i in every]
             offsets, at = [], 0

@@ -43,10 +43,11 @@ def test_a_cached_reference_starts_no_process(make_cfg, tmp_path):
 def test_when_to_split(make_cfg):
     cfg = identity.to_config(make_cfg(*TINY))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)
-    assert background_reference.wanted(cfg, loaded, 2, 1)[0]  # auto: CPU, 2 threads, a small model
-    assert not background_reference.wanted(cfg, loaded, 1, 1)[0]
-    assert not background_reference.wanted(cfg, loaded, 2, 0)[0]
-    off = identity.to_config(make_cfg(*TINY, "runtime.reference_process=false"))
+    spec = identity.ReferenceSpec.of(cfg)
+    assert background_reference.wanted(spec, loaded, 2, 1)[0]  # auto: CPU, 2 threads, a small model
+    assert not background_reference.wanted(spec, loaded, 1, 1)[0]
+    assert not background_reference.wanted(spec, loaded, 2, 0)[0]
+    off = identity.ReferenceSpec.of(identity.to_config(make_cfg(*TINY, "runtime.reference_process=false")))
     assert background_reference.wanted(off, loaded, 2, 1) == (False, "runtime.reference_process=false")
-    gpu = identity.to_config(make_cfg(*TINY, "model.device=auto"))
+    gpu = identity.ReferenceSpec.of(identity.to_config(make_cfg(*TINY, "model.device=auto")))
     assert background_reference.wanted(gpu, loaded, 8, 1) == (False, "not a CPU job")

@@ -77,7 +77,7 @@ def bf16_floor(tiny_runs) -> float:
     cfg.model.dtype = "bfloat16"
     bf16 = models.load(cfg.model, cache_dir)
     slice_ = resolve(cfg.slices)[0]
-    texts = identity.divergence_texts(slice_, cfg, identity.eval_settings(cfg, identity.tokenizer_dir(fp32)))
+    texts = identity.divergence_texts(slice_, identity.eval_settings(cfg, identity.tokenizer_dir(fp32)))
     reference = divergence.score_reference(fp32.model, fp32.tokenizer, texts, max_tokens=1024, store="logprobs")
     return float(divergence.compare_to_reference(bf16.model, reference, "math")["kl"].mean())
 

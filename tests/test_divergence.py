@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 from scipy.special import log_softmax, rel_entr
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from harness.divergence.scoring import compare_to_reference, score_reference
 
@@ -33,22 +32,6 @@ class CharTokenizer:
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "12 + 30 = 42; 7 * 6 = 42.", "a" * 5 + "bcdefg" * 4]
 
 
-@pytest.fixture(scope="module")
-def models() -> tuple[torch.nn.Module, torch.nn.Module]:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    reference = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # sharper distributions than the default init, so top-k matters
-        reference.lm_head.weight.mul_(8.0)
-    quantized = copy.deepcopy(reference)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for parameter in quantized.parameters():
-            parameter.add_(0.05 * parameter.abs().mean() * torch.randn(parameter.shape, generator=generator))
-    return reference, quantized
-
-
 def _log_probs64(model: torch.nn.Module, text: str) -> tuple[np.ndarray, np.ndarray]:
     ids = CharTokenizer()(text)["input_ids"]
     with torch.no_grad():
@@ -56,8 +39,8 @@ def _log_probs64(model: torch.nn.Module, text: str) -> tuple[np.ndarray, np.ndar
     return log_softmax(logits, axis=-1), ids[0, 1:].numpy()
 
 
-def test_exact_kl_matches_scipy_full_softmax(models):
-    reference, quantized = models
+def test_exact_kl_matches_scipy_full_softmax(llama_pair):
+    reference, quantized = llama_pair
     refs = score_reference(reference, CharTokenizer(), TEXTS, max_tokens=512, topk=0)
     rows = compare_to_reference(quantized, refs, "s")
     offset = 0
@@ -91,8 +74,8 @@ def _lumped_kl(logp: np.ndarray, logq: np.ndarray, k: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("k", [4, 16, 64])
-def test_topk_tail_kl_is_the_lumped_kl_and_a_lower_bound(models, k):
-    reference, quantized = models
+def test_topk_tail_kl_is_the_lumped_kl_and_a_lower_bound(llama_pair, k):
+    reference, quantized = llama_pair
     compact = compare_to_reference(quantized, score_reference(reference, CharTokenizer(), TEXTS, max_tokens=512,
                                                               topk=k), "s")
     exact = compare_to_reference(quantized, score_reference(reference, CharTokenizer(), TEXTS, max_tokens=512), "s")
@@ -105,8 +88,8 @@ def test_topk_tail_kl_is_the_lumped_kl_and_a_lower_bound(models, k):
         np.testing.assert_array_equal(compact[column], exact[column])
 
 
-def test_topk_error_shrinks_and_vanishes_with_one_tail_token(models):
-    reference, quantized = models
+def test_topk_error_shrinks_and_vanishes_with_one_tail_token(llama_pair):
+    reference, quantized = llama_pair
     exact = compare_to_reference(quantized, score_reference(reference, CharTokenizer(), TEXTS, max_tokens=512), "s")
     errors = []
     for k in (2, 8, 32, VOCAB - 1):
@@ -118,11 +101,11 @@ def test_topk_error_shrinks_and_vanishes_with_one_tail_token(models):
     assert abs(errors[-1]) < 1e-3  # one tail token: the partition is the full distribution
 
 
-def test_hidden_state_store_is_exact_and_small(models):
+def test_hidden_state_store_is_exact_and_small(llama_pair):
     """store=hidden recomputes the reference distribution from the final hidden state and a frozen
     copy of the output head: identical to the full-logprob store, at hidden_size floats per token,
     and immune to a scheme that later modifies the live model's head."""
-    reference, quantized = models
+    reference, quantized = llama_pair
     full = compare_to_reference(quantized, score_reference(reference, CharTokenizer(), TEXTS, max_tokens=512,
                                                            store="logprobs"), "s")
     live = copy.deepcopy(reference)
@@ -168,8 +151,8 @@ def test_tolerance_accepts_one_rounding_step_that_allclose_1e3_rejected():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_head_check_passes_in_the_models_dtype(models, dtype):
-    reference = copy.deepcopy(models[0]).to(dtype)
+def test_head_check_passes_in_the_models_dtype(llama_pair, dtype):
+    reference = copy.deepcopy(llama_pair[0]).to(dtype)
     refs = score_reference(reference, CharTokenizer(), TEXTS, max_tokens=512, store="hidden")
     assert refs[0].head is not None and next(refs[0].head.parameters()).dtype == dtype
     assert next(refs[0].head.parameters()).device.type == "cpu"  # moved back after the check
@@ -179,10 +162,10 @@ def test_head_check_passes_in_the_models_dtype(models, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("wrong", ["softcap", "logit_scale", "other_weight"])
-def test_head_check_catches_a_wrong_head(models, dtype, wrong, monkeypatch):
+def test_head_check_catches_a_wrong_head(llama_pair, dtype, wrong, monkeypatch):
     """A head the harness would recompute wrongly fails the check, in fp32 and in bf16."""
     from harness.divergence import scoring as divergence
-    reference = copy.deepcopy(models[0]).to(dtype)
+    reference = copy.deepcopy(llama_pair[0]).to(dtype)
     if wrong == "softcap":  # OutputHead applies a soft-cap this model's forward does not
         reference.config.final_logit_softcapping = 4.0
     elif wrong == "logit_scale":  # the model scales its logits after the head (Granite, Cohere do)
@@ -213,7 +196,7 @@ def test_every_slice_of_a_run_shares_one_frozen_head(make_cfg):
     """The frozen reference head is held (and moved to the device) once per run, not once per slice."""
     from harness.models import loading as models
     from harness.infra.cache import Cache
-    from harness.job.identity import to_config
+    from harness.job.identity import ReferenceSpec, to_config
     from harness.job.reference import compute_reference, share_heads
     from harness.evaluation.slices import resolve
 
@@ -222,7 +205,7 @@ def test_every_slice_of_a_run_shares_one_frozen_head(make_cfg):
                              "slices.structured.divergence_texts=2"))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)
     cache = Cache(cfg.paths.cache_dir)
-    references = {s.name: compute_reference(loaded, s, cfg, cache) for s in resolve(cfg.slices)}
+    references = {s.name: compute_reference(loaded, s, ReferenceSpec.of(cfg), cache) for s in resolve(cfg.slices)}
     before = {id(t.head) for r in references.values() for t in r.texts}
     assert len(before) == 2  # one copy per slice as computed
     shared = share_heads(references)

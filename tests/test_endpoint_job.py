@@ -58,6 +58,22 @@ def test_a_served_candidate_pairs_with_the_reference_and_its_key_is_written_nowh
     assert (items["correct_ref"] == items["correct_quant"]).all()
     assert (items["response_ref"] == items["response_quant"]).all()
     assert result["gate"]["outcome"] != "fail" and (results_dir / "gate.json").exists()  # 16 items: no "pass" yet
+    # token divergence from the server's top-k log-probs: labelled a lower bound everywhere it is shown
+    tokens = pd.read_parquet(results_dir / "tokens.parquet")
+    assert len(tokens) and (tokens["kl_bound"] == "topk_partition").all()
+    assert (tokens["kl_cells"] >= 20).all()  # candidate.endpoint_divergence_topk's default, plus the actual token
+    # the reference's own model served: the bound is ~0, the NLLs agree (float rounding of two forwards), and
+    # the top-1s agree but where a random-weight model's two best logits are within rounding of each other
+    assert tokens["kl"].max() < 1e-4
+    assert (tokens["nll_quant"] - tokens["nll_ref"]).abs().max() < 1e-3
+    assert (tokens["top1_ref"] == tokens["top1_quant"]).mean() > 0.99
+    assert "math/kl_lower_bound_mean" in result["metrics"] and "math/kl_mean" not in result["metrics"]
+    assert result["candidate"]["candidate.kl_bound"] == "topk_partition"
+    assert "LOWER BOUND" in result["candidate"]["candidate.divergence"]
+    report_md = (results_dir / "report.md").read_text()
+    assert "LOWER BOUND" in report_md and "≥ " in report_md and "top-k lower bound" in report_md
+    token_stats = pd.read_parquet(results_dir / "token_stats.parquet")
+    assert (token_stats["kl_bound"] == "topk_partition").all()
     # the key: in no file the job wrote (results, job log, MLflow store and artifacts), no MLflow param or tag
     written = list(_files(tmp_path))
     assert any(p.name == "job.log" for p in written) and any(p.name == "mlflow.db" for p in written)
@@ -109,3 +125,24 @@ def test_a_served_candidate_runs_sequential_rounds_like_an_in_process_one(make_c
     theirs = pd.read_parquet(directories[served["scheme"]] / "items.parquet").sort_values("item_id", ignore_index=True)
     columns = ["item_id", "correct_ref", "correct_quant", "response_ref", "response_quant", "seq_round"]
     pd.testing.assert_frame_equal(ours[columns], theirs[columns])
+
+
+@pytest.mark.slow
+def test_a_server_without_log_probs_gives_accuracy_and_flips_only_and_says_so(make_cfg, tmp_path):
+    gen_only = ["model=tiny_random", "slices=[math]", "slices.math.n_items=6", "slices.math.divergence_texts=2",
+                "slices.math.tasks=[harness_math_gen]", "eval.max_gen_toks=8"]
+    reference = identity.to_config(make_cfg(*gen_only, "quant=none"))
+    loaded = models.load(reference.model, reference.paths.cache_dir)
+    console = io.StringIO()
+    with FakeServer(loaded.model, loaded.tokenizer, prompt_logprobs=False) as server, \
+            joblog.job_console(verbose=True, stream=console):
+        result = run_mod.run(make_cfg(*gen_only, "quant=external", f"candidate.endpoint={server.url}"))
+    line = result["candidate"]["candidate.divergence"]
+    assert line.startswith("served candidate: accuracy and flips only") and "no log-probs" in line
+    assert "candidate.kl_bound" not in result["candidate"]
+    assert not [key for key in result["metrics"] if key.split("/")[-1].startswith(("kl", "top1", "ppl"))]
+    assert "math/flips_right_to_wrong" in result["metrics"] and result["metrics"]["math/n"] == 6
+    (results_dir,) = [d for d in (tmp_path / "results").iterdir() if (d / "summary.json").exists()]
+    assert pd.read_parquet(results_dir / "tokens.parquet").empty
+    assert line in (results_dir / "report.md").read_text()
+    assert line in (results_dir / "job.log").read_text()

@@ -95,6 +95,10 @@ def test_the_job_serves_the_fp8_export_with_vllm_and_pairs_every_item(make_cfg, 
     assert candidate["candidate.format"] == "float-quantized"
     assert 8 < candidate["candidate.bits_per_weight"] < 8.1
     assert "Selected ChannelWiseTorchFP8ScaledMMLinearKernel" in (results_dir / "serve.log").read_text()
+    # token divergence from vLLM's prompt log-probs (its default --max-logprobs is the harness's default k, 20)
+    tokens = pd.read_parquet(results_dir / "tokens.parquet")
+    assert len(tokens) and (tokens["kl_bound"] == "topk_partition").all() and (tokens["kl_cells"] >= 20).all()
+    assert tokens["kl"].mean() > 0 and "math/kl_lower_bound_mean" in result["metrics"]
     assert not _engine_processes(fp8_export)  # the harness stopped the server it started
 
 

@@ -2,7 +2,6 @@
 export → transformers + compressed-tensors load → the harness's own fake-quant outputs."""
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ pytest.importorskip("compressed_tensors")
 
 from harness.checkpoint import export as export_mod  # noqa: E402
 from harness.config import compose  # noqa: E402
+from tests.conftest import quantized_tiny as _quantized  # noqa: E402
 
 
 def _int_grid(out: int, cols: int, group: int, bits: int, symmetric: bool, max_code: int | None = None,
@@ -78,20 +78,6 @@ def _tolerance(name: str, targets) -> float:
     if name in EXACT:
         return 0.0
     return 1e-6 * max(float(m.weight.abs().max()) for m in targets.values())
-
-
-def _quantized(name: str, *extra: str):
-    from harness import quant
-    from harness.quant.base import target_linears
-    from harness.decision.quant_report import prepare
-
-    cfg = OmegaConf.to_object(compose([f"quant={name}", "model=tiny_random", "quant.calibration.num_samples=8",
-                                       "quant.calibration.seq_len=64", *extra]))
-    prepared = prepare(cfg)
-    reference = copy.deepcopy(prepared.loaded.model)
-    quant.apply(prepared.loaded.model, prepared.scheme, prepared.context)
-    targets, kept = target_linears(prepared.loaded.model, prepared.scheme)
-    return prepared, reference, targets, kept
 
 
 ASYM_LOAD_BUG = pytest.mark.xfail(strict=True, reason="transformers 5.24 + compressed-tensors 0.20 cannot load asymmetric "

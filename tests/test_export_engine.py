@@ -3,7 +3,6 @@ groups refused before any quantization, and stored bits per weight read from the
 INT8 ``.weight`` count 8 bits plus their scales), for exports and for external checkpoints."""
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
@@ -15,20 +14,7 @@ pytest.importorskip("compressed_tensors")
 from harness.checkpoint import export as export_mod  # noqa: E402
 from harness.checkpoint.candidate import linear_shapes, measured_bits_per_weight  # noqa: E402
 from harness.config import compose  # noqa: E402
-
-
-def _quantized(name: str, *extra: str):
-    from harness import quant
-    from harness.decision.quant_report import prepare
-    from harness.quant.base import target_linears
-
-    cfg = OmegaConf.to_object(compose([f"quant={name}", "model=tiny_random", "quant.calibration.num_samples=8",
-                                       "quant.calibration.seq_len=64", *extra]))
-    prepared = prepare(cfg)
-    reference = copy.deepcopy(prepared.loaded.model)
-    quant.apply(prepared.loaded.model, prepared.scheme, prepared.context)
-    targets, kept = target_linears(prepared.loaded.model, prepared.scheme)
-    return prepared, reference, targets, kept
+from tests.conftest import quantized_tiny as _quantized  # noqa: E402
 
 
 def _header(path) -> dict:

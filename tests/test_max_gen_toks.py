@@ -80,7 +80,7 @@ def test_the_plan_counts_the_capped_tokens(make_cfg):
     for cap in (None, 5):
         cfg = identity.to_config(make_cfg(*TINY, *([f"eval.max_gen_toks={cap}"] if cap else [])))
         tokenizer = models.load(cfg.model, cfg.paths.cache_dir).tokenizer
-        counts[cap] = plan.count_slice_tokens(resolve(cfg.slices)[0], cfg, tokenizer)
+        counts[cap] = plan.count_slice_tokens(resolve(cfg.slices)[0], identity.ReferenceSpec.of(cfg), tokenizer)
     assert counts[None].generated == 9 * 24 and counts[5].generated == 9 * 5
     assert counts[None].scored == counts[5].scored
 
@@ -93,6 +93,7 @@ def test_a_capped_run_has_its_own_keys_and_an_uncapped_one_keeps_its_old_ones(ma
     config = identity.config_dict(base)
     for key in ("sequential", "sequential_round_items", "sequential_method", "max_gen_toks"):
         config["eval"].pop(key)
+    config["candidate"].pop("endpoint_divergence_topk")  # read by served candidates only, and keyed only for them
     for transient in identity.TRANSIENT_SECTIONS:
         config.pop(transient, None)
     config["slices"] = {name: {k: v for k, v in slice_config.items()  # unset design fields leave keys as they were
@@ -102,7 +103,8 @@ def test_a_capped_run_has_its_own_keys_and_an_uncapped_one_keeps_its_old_ones(ma
     assert identity.run_key(capped) != identity.run_key(base)
     loaded = models.LoadedModel(model=None, tokenizer=None, identity={"name": "stand-in"})
     slice_ = resolve(base.slices)[0]
-    assert identity.reference_key(loaded, slice_, capped) != identity.reference_key(loaded, slice_, base)
+    assert identity.reference_key(loaded, slice_, identity.ReferenceSpec.of(capped)) != \
+        identity.reference_key(loaded, slice_, identity.ReferenceSpec.of(base))
 
 
 @pytest.mark.parametrize("cap", [0, -3])

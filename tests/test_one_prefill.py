@@ -16,12 +16,12 @@ import pandas as pd
 import pytest
 import torch
 from scipy.special import log_softmax, rel_entr
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from harness.divergence.scoring import (ServedText, compare_to_reference, final_hidden, score_reference,
                                         token_statistics)
 from harness.divergence.capture import CapturedPrompt, HiddenCapture
 from harness.evaluation.generation import greedy_generate
+from tests.conftest import perturbed_llama_pair
 
 VOCAB = 96
 PAD = 0
@@ -34,18 +34,7 @@ COLUMNS = ["kl", "kl_reverse", "nll_ref", "nll_quant", "p_ref", "p_quant"]
 
 @pytest.fixture(scope="module")
 def pair() -> tuple[torch.nn.Module, torch.nn.Module]:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    reference = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # sharper distributions than the default init: KL well above float32 rounding
-        reference.lm_head.weight.mul_(8.0)
-    quantized = copy.deepcopy(reference)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for parameter in quantized.parameters():
-            parameter.add_(0.05 * parameter.abs().mean() * torch.randn(parameter.shape, generator=generator))
-    return reference, quantized
+    return perturbed_llama_pair(VOCAB, num_hidden_layers=2)
 
 
 def _answer(model, capture: HiddenCapture | None, teacher=None, eos: set[int] = frozenset()) -> dict[tuple, list[int]]:

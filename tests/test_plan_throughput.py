@@ -35,15 +35,15 @@ def test_rates_are_fitted_to_matching_runs_only(tmp_path):
     write_run(results, "e", model="smollm2_135m", load=100.0)
     (results / "f").mkdir()
     (results / "f" / "summary.json").write_text("{not json")  # an unreadable run is skipped
-    rate = plan_mod.throughput_from_results(results, cfg, "CPU (2 cores)")
+    rate = plan_mod.throughput_from_results(results, cfg.model, "CPU (2 cores)")
     assert rate.prefill_tokens_per_s == pytest.approx(PREFILL, rel=1e-9)
     assert rate.decode_tokens_per_s == pytest.approx(DECODE, rel=1e-9)
     assert rate.load_s == pytest.approx(3.0)
     assert "8 stages of 2 earlier run(s)" in rate.source and "CPU (2 cores)" in rate.source
-    gpu = plan_mod.throughput_from_results(results, cfg, "NVIDIA H200")
+    gpu = plan_mod.throughput_from_results(results, cfg.model, "NVIDIA H200")
     assert gpu.load_s == 100.0 and "1 earlier run(s)" in gpu.source
-    assert plan_mod.throughput_from_results(results, cfg, "NVIDIA A100") is None
-    assert plan_mod.throughput_from_results(tmp_path / "absent", cfg, "CPU (2 cores)") is None
+    assert plan_mod.throughput_from_results(results, cfg.model, "NVIDIA A100") is None
+    assert plan_mod.throughput_from_results(tmp_path / "absent", cfg.model, "CPU (2 cores)") is None
 
 
 def test_runs_without_generation_cannot_give_a_decode_rate(tmp_path):
@@ -54,7 +54,7 @@ def test_runs_without_generation_cannot_give_a_decode_rate(tmp_path):
         stage["seconds"] -= stage["generated_tokens"] / DECODE
         stage["generated_tokens"] = 0
     (tmp_path / "a" / "summary.json").write_text(json.dumps(summary))
-    assert plan_mod.throughput_from_results(tmp_path, cfg, "CPU (2 cores)") is None
+    assert plan_mod.throughput_from_results(tmp_path, cfg.model, "CPU (2 cores)") is None
 
 
 @pytest.mark.slow
@@ -101,10 +101,10 @@ def test_a_gpu_sweep_is_planned_on_a_machine_without_cuda_or_hub_loading_nothing
               f"paths.results_dir={tmp_path / 'results'}"]
     real_tokenizer = plan_mod._tokenizer_for
 
-    def unreachable_hub(cfg, cache):
-        if cfg.model.name == "llama8b" and cfg.model.path == "meta-llama/Llama-3.1-8B-Instruct":
+    def unreachable_hub(model, cache):
+        if model.name == "llama8b" and model.path == "meta-llama/Llama-3.1-8B-Instruct":
             raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")  # as offline
-        return real_tokenizer(cfg, cache)
+        return real_tokenizer(model, cache)
 
     monkeypatch.setattr(plan_mod, "_tokenizer_for", unreachable_hub)
     for extra in ([], [f"model.path={local}"]):  # the packaged table's shapes, then the local config.json's
@@ -129,7 +129,7 @@ def test_a_model_larger_than_one_gpu_is_planned_with_a_note(monkeypatch, cache_d
     from harness.decision import ledger
 
     monkeypatch.setattr(plan_mod.torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(plan_mod, "_tokenizer_for", lambda cfg, cache: object())  # the tokenizer is not the point
+    monkeypatch.setattr(plan_mod, "_tokenizer_for", lambda model, cache: object())  # the tokenizer is not the point
     cfg = compose_run(["model=llama70b", f"paths.cache_dir={cache_dir}"])  # device=auto, 141 GB of bf16 weights
     (h100,) = ledger.resolve_gpus(["H100"])
     model = plan_mod._prepare_model(cfg, None, None, h100)

@@ -194,6 +194,7 @@ def test_run_key_is_unchanged_by_the_option_off_and_covers_the_stop_rule_on(make
     config = identity.config_dict(base)
     for key in ("sequential", "sequential_round_items", "sequential_method", "max_gen_toks"):  # off: not in the key
         config["eval"].pop(key)
+    config["candidate"].pop("endpoint_divergence_topk")  # read by served candidates only, and keyed only for them
     for transient in identity.TRANSIENT_SECTIONS:
         config.pop(transient, None)
     for slice_config in config["slices"].values():  # unset sampling-design fields (issue 37): not in the key either
@@ -246,7 +247,7 @@ def test_a_resumed_sequential_slice_replays_its_rounds_and_reaches_the_same_stop
     cfg = identity.to_config(make_cfg(*TINY_SEQ, "quant=none", "eval.batch_size=1", "gate.margin=0.4"))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)
     slice_ = resolve(cfg.slices)[0]
-    reference = compute_reference(loaded, slice_, cfg, Cache(cfg.paths.cache_dir)).records
+    reference = compute_reference(loaded, slice_, identity.ReferenceSpec.of(cfg), Cache(cfg.paths.cache_dir)).records
     settings = identity.eval_settings(cfg, None)
     rule = sequential.stop_rule(cfg, [slice_.name])
     prefix = tmp_path / "checkpoint" / "math"

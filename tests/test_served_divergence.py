@@ -7,7 +7,6 @@ lm-eval's own encoders; the run's headline and side metrics against means of its
 """
 from __future__ import annotations
 
-import copy
 import json
 
 import numpy as np
@@ -15,7 +14,6 @@ import pandas as pd
 import pytest
 import torch
 from scipy.special import log_softmax, rel_entr
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from harness.evaluation import evaluate
 from harness.job import identity
@@ -25,22 +23,6 @@ from harness.divergence.scoring import PLAIN, PROMPT, REPLY, ServedText, compare
 from harness.evaluation.slices import resolve
 
 VOCAB = 96
-
-
-@pytest.fixture(scope="module")
-def pair() -> tuple[torch.nn.Module, torch.nn.Module]:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    reference = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # sharper distributions than the default init: KL well above float32 rounding
-        reference.lm_head.weight.mul_(8.0)
-    quantized = copy.deepcopy(reference)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for parameter in quantized.parameters():
-            parameter.add_(0.05 * parameter.abs().mean() * torch.randn(parameter.shape, generator=generator))
-    return reference, quantized
 
 
 def _scipy_kl(reference, quantized, ids: list[int]) -> np.ndarray:
@@ -53,8 +35,8 @@ def _scipy_kl(reference, quantized, ids: list[int]) -> np.ndarray:
 
 
 @pytest.mark.parametrize("store", ["hidden", "logprobs"])
-def test_reply_and_prompt_positions_match_scipy(pair, store):
-    reference, quantized = pair
+def test_reply_and_prompt_positions_match_scipy(llama_pair, store):
+    reference, quantized = llama_pair
     prompt, reply = tuple(range(3, 23)), (40, 41, 42, 43, 44, 45, 46)
     scored = score_reference(reference, None, [ServedText(prompt, reply)], max_tokens=64, store=store)
     rows = compare_to_reference(quantized, scored, "s")
@@ -65,8 +47,8 @@ def test_reply_and_prompt_positions_match_scipy(pair, store):
     assert (rows.loc[rows["position"] < len(prompt), "kind"] == PROMPT).all()
 
 
-def test_a_served_text_too_long_loses_the_start_of_its_prompt_not_its_reply(pair):
-    reference, quantized = pair
+def test_a_served_text_too_long_loses_the_start_of_its_prompt_not_its_reply(llama_pair):
+    reference, quantized = llama_pair
     prompt, reply = tuple(range(3, 33)), tuple(range(50, 60))
     [text] = score_reference(reference, None, [ServedText(prompt, reply)], max_tokens=16, store="hidden")
     assert text.input_ids.tolist() == [*prompt, *reply][-16:] and text.prompt_tokens == 6
@@ -76,8 +58,8 @@ def test_a_served_text_too_long_loses_the_start_of_its_prompt_not_its_reply(pair
                                                   rel=2e-4, abs=1e-7)
 
 
-def test_plain_texts_keep_their_kind(pair):
-    reference, quantized = pair
+def test_plain_texts_keep_their_kind(llama_pair):
+    reference, quantized = llama_pair
 
     def tokenizer(text, return_tensors="pt", truncation=True, max_length=64):
         return {"input_ids": torch.tensor([[1] + [ord(ch) % VOCAB for ch in text][: max_length - 1]])}
@@ -131,12 +113,18 @@ def test_headline_is_the_served_reply_and_the_plain_text_kl_keeps_its_name():
 def test_reference_key_marks_served_texts(make_cfg):
     [math] = resolve(identity.to_config(make_cfg("slices=[math]")).slices)
     loaded = type("Loaded", (), {"identity": {"m": 1}})()
-    base = identity.reference_key(loaded, math, identity.to_config(make_cfg("model=tiny_random")))
-    chat = identity.reference_key(loaded, math, identity.to_config(make_cfg("model=tiny_random",
-                                                                            "model.chat_template=true")))
+    def spec(*overrides: str) -> identity.ReferenceSpec:
+        return identity.ReferenceSpec.of(identity.to_config(make_cfg(*overrides)))
+
+    base = identity.reference_key(loaded, math, spec("model=tiny_random"))
+    chat = identity.reference_key(loaded, math, spec("model=tiny_random", "model.chat_template=true"))
     assert base != chat
-    assert identity.served_format(math, identity.to_config(make_cfg("model=smollm2_135m")))
-    assert not identity.served_format(math, identity.to_config(make_cfg("model=tiny_random")))
+    # served texts by default, for every model; with the gold texts also scored, a base model
+    # (no chat template) is scored on them alone
+    assert identity.served_format(math, spec("model=tiny_random"))
+    plain = "eval.divergence_plain=true"
+    assert identity.served_format(math, spec("model=smollm2_135m", plain))
+    assert not identity.served_format(math, spec("model=tiny_random", plain))
 
 
 @pytest.fixture(scope="module")

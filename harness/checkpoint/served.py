@@ -7,9 +7,15 @@ after the evaluation. The items are answered by :mod:`harness.evaluation.endpoin
 the reference's own lm-eval wrapper, so the per-item records pair with the reference's exactly as a
 simulated candidate's do: flips, the score test, the gate and sequential evaluation are unchanged.
 
+Token divergence (:meth:`ServedCandidate.divergence`): each of the reference's divergence texts (the
+prompt as evaluated + the reference's own reply) is sent to the server as token ids with ``echo=true,
+max_tokens=0, logprobs=k`` (``candidate.endpoint_divergence_topk``); NLL and top-1 agreement are exact,
+and the KL is KL on the server's top-k partition, a lower bound of the exact KL
+(:mod:`harness.divergence.served`), labelled so in every row, the summary and the tables. A server
+that returns no log-probs gives accuracy and flips only, and the run says so in one line.
+
 What a served candidate does not give: a per-layer weight report (its weights are in the server, not
-in this process) and the divergence stage (KL needs the candidate's full distributions; a server's
-prompt log-probs are top-k only). Both are said in the run's notes. When the server names a local
+in this process); the run's notes say so. When the server names a local
 checkpoint directory (vLLM's ``/v1/models`` ``root``), its scheme and *stored* bits per weight are read
 from that directory's config and safetensors headers (:func:`harness.checkpoint.candidate.describe`).
 
@@ -33,17 +39,20 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+
 from harness.checkpoint.served_config import check_config, served_name
 from harness.config import CandidateConfig
-from harness.evaluation.endpoint import EndpointError, EndpointSpec, endpoint_lm, redact_url, scrub
+from harness.divergence import served as served_divergence
+from harness.divergence.scoring import ReferenceText
+from harness.evaluation.endpoint import EndpointError, EndpointSpec, endpoint_lm, redact_url, scrub, teacher_forced
 
 __all__ = ["NOT_MEASURED", "ServedCandidate", "ServedProcess", "check_config", "free_port", "served_name"]
 
 log = logging.getLogger(__name__)
 
 NOT_MEASURED = ("served candidate: answered over HTTP; its weights stay in the server (no per-layer weight "
-                "report) and the divergence stage is not run (KL needs full distributions, a server's prompt "
-                "log-probs are top-k)")
+                "report), and its KL, where the server returns prompt log-probs, is a lower bound from their top-k")
 
 
 def free_port() -> int:
@@ -193,6 +202,47 @@ class ServedCandidate:
             if getattr(twin, "model", None) is not None:
                 self.describe(twin.model)
         return self._lm
+
+    def divergence(self, texts: dict[str, list[ReferenceText]]) -> pd.DataFrame:
+        """Token rows of the served candidate on each slice's divergence texts (``texts``: slice -> the
+        reference's texts), from the server's teacher-forced top-k log-probs: KL as a top-k lower bound.
+
+        Says what was measured in one line (``candidate.divergence`` in the run's summary, and the log);
+        a server without log-probs gives no rows, and that line says accuracy and flips only.
+        """
+        k = int(self.cfg.endpoint_divergence_topk)
+        if self._lm is None or k == 0:
+            why = "candidate.endpoint_divergence_topk=0" if k == 0 else "the endpoint answered no items"
+            return self._no_divergence(why)
+        lm = self._lm
+        limit = lm.server_max_len
+        start = time.perf_counter()
+        frames, skipped = [], 0
+        try:
+            for slice_name, references in texts.items():
+                kept = [(index, ref) for index, ref in enumerate(references)
+                        if limit is None or len(ref.input_ids) <= limit]
+                skipped += len(references) - len(kept)
+                served = teacher_forced(lm.client, [ref.input_ids.tolist() for _, ref in kept], k, lm.tokenizer,
+                                        batch_size=self.cfg.endpoint_batch_size)
+                frames += [served_divergence.served_rows(ref, answer, slice_name, index)
+                           for (index, ref), answer in zip(kept, served)]
+                lm.prompt_tokens += sum(len(ref.input_ids) for _, ref in kept)
+        except served_divergence.NoPromptLogprobs as exc:
+            return self._no_divergence(str(exc))
+        finally:
+            lm.seconds += time.perf_counter() - start
+        line = served_divergence.bound_line(k, skipped)
+        log.info("%s", line)
+        self.params.update({"candidate.divergence": line, "candidate.kl_bound": served_divergence.KL_BOUND,
+                            "candidate.divergence_topk": k})
+        return pd.concat(frames, ignore_index=True) if frames else served_divergence.empty_rows()
+
+    def _no_divergence(self, reason: str) -> pd.DataFrame:
+        line = served_divergence.no_logprobs_line(reason)
+        log.warning("%s", line)
+        self.params["candidate.divergence"] = line
+        return served_divergence.empty_rows()
 
     def describe(self, reference_model: Any) -> None:
         """Scheme and stored bits per weight of the served checkpoint, when the server names a local directory."""

@@ -48,6 +48,9 @@ def check_config(cfg: CandidateConfig, scheme_name: str) -> None:
     if cfg.endpoint_api_key_env is not None and not ENV_NAME.fullmatch(cfg.endpoint_api_key_env):
         raise UsageError("candidate.endpoint_api_key_env takes the NAME of an environment variable (e.g. "
                          "VLLM_API_KEY) that holds the key, and the value given is not a variable name")
+    if cfg.endpoint_divergence_topk < 0:
+        raise UsageError(f"candidate.endpoint_divergence_topk={cfg.endpoint_divergence_topk}: give the number of "
+                         "log-probs to ask per position (20 is vLLM's default cap), or 0 for no token divergence")
     if cfg.endpoint_timeout_s <= 0 or cfg.endpoint_batch_size < 1 or cfg.serve_startup_s <= 0:
         raise UsageError(f"candidate.endpoint_timeout_s={cfg.endpoint_timeout_s}, endpoint_batch_size="
                          f"{cfg.endpoint_batch_size}, serve_startup_s={cfg.serve_startup_s}: each must be positive")

@@ -23,6 +23,8 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import Tensor, nn
 
+from harness.models.hooks import forward_pre_hooks, run_batches
+
 __all__ = ["LayerRouting", "capture_routing", "compare_routing", "routing_metrics", "routing_summary"]
 
 
@@ -56,23 +58,9 @@ def _experts_modules(model: nn.Module) -> dict[str, tuple[nn.Module, int]]:
 def capture_routing(model: nn.Module, sequences: Iterable[Tensor]) -> dict[str, Tensor]:
     """Each MoE layer's selected experts ``[tokens, k]`` (int64, on CPU) over ``sequences`` (token id tensors
     ``[1, T]`` or ``[T]``, run one at a time so that no padding enters the count), in order."""
-    modules = _experts_modules(model)
-    captured: dict[str, list[Tensor]] = {name: [] for name in modules}
-    hooks = []
-    for name, (module, _experts) in modules.items():
-        def record(_module: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
-            index = args[1] if len(args) > 1 else next(v for k, v in kwargs.items() if "ind" in k)
-            captured[name].append(index.detach().reshape(-1, index.shape[-1]).to("cpu", torch.int64))
-        hooks.append(module.register_forward_pre_hook(record, with_kwargs=True))
-    device = next(model.parameters()).device
-    try:
-        for ids in sequences:
-            ids = ids if ids.dim() == 2 else ids.unsqueeze(0)
-            model(ids.to(device), use_cache=False)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return {name: torch.cat(parts) for name, parts in captured.items() if parts}
+    with capturing(model) as captured:
+        run_batches(model, (ids if ids.dim() == 2 else ids.unsqueeze(0) for ids in sequences))
+    return captured
 
 
 def num_experts(model: nn.Module) -> dict[str, int]:
@@ -135,12 +123,11 @@ def capturing(model: nn.Module) -> Iterator[dict[str, Tensor]]:
         def record(_module: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
             index = args[1] if len(args) > 1 else next(v for k, v in kwargs.items() if "ind" in k)
             parts[name].append(index.detach().reshape(-1, index.shape[-1]).to("cpu", torch.int64))
-        hooks.append(module.register_forward_pre_hook(record, with_kwargs=True))
+        hooks.append((module, record))
     try:
-        yield found
+        with forward_pre_hooks(hooks, with_kwargs=True):
+            yield found
     finally:
-        for hook in hooks:
-            hook.remove()
         found.update({name: torch.cat(p) for name, p in parts.items() if p})
 
 

@@ -15,7 +15,11 @@ forward passes go over HTTP:
   HFLM decides it from the full distribution);
 * generation items: the prompt *text* exactly as lm-eval built it (chat template included) is sent,
   greedy, with the task's stop strings and ``max_gen_toks``; the reply is cut at the stop strings as
-  HFLM cuts it.
+  HFLM cuts it;
+* divergence texts (:func:`teacher_forced`): the reference's served text (prompt as evaluated + the
+  reference's own reply) as token ids, ``echo=true, max_tokens=0, logprobs=k``: each position's log-prob
+  of the actual token and the server's top-k, from which :mod:`harness.divergence.served` computes a
+  lower bound of the KL.
 
 Every request also echoes the prompt's tokens, and each item is refused unless the served prompt's
 tokens equal the reference's (ids when the server returns them, ``return_tokens_as_token_ids``; else
@@ -30,6 +34,7 @@ and is only ever put in the ``Authorization`` header: no attribute, message or l
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -42,6 +47,9 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from harness.divergence.served import NoPromptLogprobs, ServedLogprobs
 from harness.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -54,6 +62,9 @@ TOKEN_ID = re.compile(r"^token_id:(\d+)$")  # vLLM's return_tokens_as_token_ids 
 
 class EndpointError(UserError, RuntimeError):
     """A server that cannot answer, or answers for another model; one line, with the fix."""
+
+    http_status: int | None = None  # the HTTP status of a refused request (None: no HTTP answer)
+    detail: str = ""  # the server's own message for that refusal
 
 
 @dataclass(frozen=True)
@@ -133,7 +144,9 @@ class Client:
                 pass
             hint = " (a wrong or missing API key: set candidate.endpoint_api_key_env)" if exc.code in (401, 403) \
                 else ""
-            raise self._fail(f"HTTP {exc.code} on {path}{hint}: {detail}") from None
+            error = self._fail(f"HTTP {exc.code} on {path}{hint}: {detail}")
+            error.http_status, error.detail = exc.code, scrub(str(detail), self.spec.api_key_env)
+            raise error from None
         except (TimeoutError, socket.timeout):
             raise self._fail(f"no reply to {path} within {self.spec.timeout_s:.0f} s (a hung server; "
                              "candidate.endpoint_timeout_s sets the limit)") from None
@@ -208,28 +221,112 @@ def _preview(text: str, width: int = 50) -> str:
     return flat if len(flat) <= width else flat[:width - 3] + "..."
 
 
+# --------------------------------------------------------------------------- teacher-forced log-probs
+class TokenNames:
+    """A server's name of a token, read as one id of the reference's vocabulary.
+
+    ``token_id:N`` (vLLM's ``return_tokens_as_token_ids``) is N; a token's text is the one id that
+    decodes to it, and None (no cell of its own) where several ids or none do.
+    """
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self._by_text: dict[str, int | None] | None = None
+
+    def id(self, name: str) -> int | None:
+        match = TOKEN_ID.match(name)
+        if match:
+            return int(match.group(1))
+        if self._by_text is None:
+            by_text: dict[str, int | None] = {}
+            for token in range(len(self.tokenizer)):
+                text = self.tokenizer.decode([token], skip_special_tokens=False)
+                by_text[text] = None if text in by_text else token
+            self._by_text = by_text
+        return self._by_text.get(name)
+
+
+def prompt_logprobs(choice: dict, n_tokens: int, k: int, names: TokenNames) -> ServedLogprobs:
+    """Positions 1..n-1 of an echoed prompt's log-probs: each actual token's, and the top-k named."""
+    logprobs = choice.get("logprobs") or {}
+    values = (logprobs.get("token_logprobs") or [])[1:n_tokens]
+    tops = (logprobs.get("top_logprobs") or [])[1:n_tokens]
+    n = n_tokens - 1
+    if len(values) < n or len(tops) < n or any(v is None for v in values) or any(not t for t in tops):
+        raise NoPromptLogprobs(f"the server returned no log-probs of prompt tokens for echo=true, logprobs={k}")
+    width = max([len(top) for top in tops] + [1])
+    top_ids = np.full((n, width), -1, dtype=np.int64)
+    top_values = np.full((n, width), np.nan)
+    for row, top in enumerate(tops):
+        column = 0
+        for name, value in top.items():
+            token = names.id(str(name))
+            if token is None or value is None or token in top_ids[row, :column]:
+                continue
+            top_ids[row, column], top_values[row, column] = token, float(value)
+            column += 1
+    return ServedLogprobs(np.asarray(values, dtype=np.float64), top_ids, top_values, k)
+
+
+def teacher_forced(client: Client, texts: list[list[int]], k: int, tokenizer: Any,
+                   batch_size: int = 8) -> list[ServedLogprobs]:
+    """The server's log-probs of each text (token ids), sent whole as a prompt, top-``k`` per position.
+
+    ``echo=true, max_tokens=0, logprobs=k`` (vLLM returns the prompt's top-k this way, capped by its
+    ``--max-logprobs``, 20 by default); the echoed tokens must be the ids sent. Raises
+    :class:`NoPromptLogprobs` when the server returns none or refuses ``logprobs=k``, and
+    :class:`EndpointError` when it fails otherwise.
+    """
+    names = TokenNames(tokenizer)
+    out: list[ServedLogprobs] = []
+    for start in range(0, len(texts), max(1, batch_size)):
+        chunk = [list(ids) for ids in texts[start:start + max(1, batch_size)]]
+        try:
+            choices = client.complete(prompt=chunk, max_tokens=0, echo=True, logprobs=k, temperature=0,
+                                      return_tokens_as_token_ids=True)
+        except EndpointError as exc:
+            if exc.http_status in (400, 422) and "logprob" in exc.detail.lower():
+                raise NoPromptLogprobs(f"the server refused logprobs={k}: {exc.detail[:200]}; "
+                                       "lower candidate.endpoint_divergence_topk or let the server return more "
+                                       "(vLLM: --max-logprobs)") from None
+            raise
+        if len(choices) != len(chunk):
+            raise EndpointError(f"the server answered {len(choices)} of {len(chunk)} prompts of one request")
+        for ids, choice in zip(chunk, choices):
+            what = f"divergence text {_preview(tokenizer.decode(ids[:40], skip_special_tokens=False))!r}"
+            check_tokens(served_ids(choice, tokenizer, len(ids)), ids, tokenizer, what)
+            out.append(prompt_logprobs(choice, len(ids), k, names))
+    return out
+
+
 # --------------------------------------------------------------------------- the lm-eval model
 def endpoint_lm(spec: EndpointSpec, twin: Any, server: Any = None) -> Any:
     """An lm-eval ``LM`` answering through ``spec``'s server, with ``twin``'s prompts and tokens.
 
     ``twin`` is the reference's own lm-eval wrapper (``harness.evaluation.evaluate.make_lm`` on the
     reference): its tokenization, truncation and chat template make the prompts, so they are the
-    reference's exactly; its model is never called.
+    reference's exactly; its model is never called. The server's tokenizer is probed once here.
     """
-    from lm_eval.api.model import TemplateLM
-    from lm_eval.models.utils import handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs
-    from lm_eval.models.utils import postprocess_generated_text
-    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
-
     client = Client(spec, server)
     served = client.connect()
-    limit = served.get("max_model_len")
+    lm = _endpoint_lm_class()(client, twin, served)
+    lm.probe()
+    return lm
+
+
+@functools.cache
+def _endpoint_lm_class() -> type:
+    """The lm-eval model class, built on first use (lm-eval is imported only when an endpoint is used)."""
+    from lm_eval.api.model import TemplateLM
 
     class EndpointLM(TemplateLM):
-        def __init__(self) -> None:
+        """The reference's prompts and tokens (its twin's), the server's answers (module docstring)."""
+
+        def __init__(self, client: Client, twin: Any, served: dict) -> None:
             super().__init__()
             self.client, self.twin, self.tokenizer = client, twin, twin.tokenizer
             self.served = served  # the server's /v1/models entry (vLLM names the checkpoint: "root")
+            limit = served.get("max_model_len")
             self.server_max_len = int(limit) if limit else None
             self.prompt_tokens = self.generated_tokens = 0
             self.seconds = 0.0
@@ -273,105 +370,123 @@ def endpoint_lm(spec: EndpointSpec, twin: Any, server: Any = None) -> Any:
             finally:
                 self.seconds += time.perf_counter() - start
 
-        # -- log-likelihood: prompt log-probs of the reference's token ids
-        def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, **kwargs: Any) -> list:
-            results: list[tuple[float, bool]] = []
-            for start in range(0, len(requests), max(1, spec.batch_size)):
-                chunk = requests[start:start + spec.batch_size]
-                prompts = [(list(ctx) + list(cont))[-(self.max_length + 1):] for _, ctx, cont in chunk]
-                for (key, _, _), prompt in zip(chunk, prompts):
-                    self._fits(len(prompt), f"item {_preview(str(key[0]) if key else '')!r}")
-                # token *texts* come back (no return_tokens_as_token_ids): echoed ids would only repeat the ids
-                # sent, while their texts show which vocabulary the server scored them in
-                choices = self._timed(prompt=prompts, max_tokens=0, echo=True, logprobs=max(1, spec.top_logprobs),
-                                      temperature=0)
-                if len(choices) != len(prompts):
-                    raise EndpointError(f"the server answered {len(choices)} of {len(prompts)} prompts of one request")
-                for (key, _, cont), prompt, choice in zip(chunk, prompts, choices):
-                    check_tokens(served_ids(choice, self.tokenizer, len(prompt)), prompt, self.tokenizer,
-                                 f"log-likelihood item {_preview(str(key[0]) if key else '')!r}")
-                    answer = _continuation_score(choice, len(cont))
-                    self.prompt_tokens += len(prompt)
-                    results.append(answer)
-                    if key is not None:
-                        self.cache_hook.add_partial("loglikelihood", key, answer)
-            return results
-
-        def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
-            totals = []
-            for request in requests:
-                (string,) = request.args
-                windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
-                    token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
-                    max_seq_len=self.max_length, context_len=1)]
-                scores = self._loglikelihood_tokens([(None, ctx, cont) for ctx, cont in windows])
-                total = sum(score for score, _ in scores)
-                totals.append(total)
-                self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
-            return totals
-
-        # -- generation: the prompt text as lm-eval built it
         def _prompt(self, context: str, left_truncate_len: int) -> tuple[list[int], str | list[int], bool]:
-            """(the reference's prompt ids as HFLM's generate_until makes them, what to send, add_special_tokens).
-
-            The text is sent unless HFLM left-truncated it (then its ids are); ``add_special_tokens`` is
-            HFLM's choice (False when the text already starts with BOS), passed on to servers that read it.
-            """
-            ids, _ = self.twin.tok_batch_encode([context], left_truncate_len=left_truncate_len)
-            reference = ids[0].tolist()
-            bos = getattr(self.tokenizer, "bos_token", None)
-            add_special = False if has_bos_prefix(context, bos) else (
-                self.twin.add_bos_token if self.twin.add_bos_token is not None else True)
-            full = self.tok_encode(context, add_special_tokens=add_special)
-            return reference, (context if len(full) == len(reference) else reference), add_special
+            return reference_prompt(self, context, left_truncate_len)
 
         def probe(self) -> None:
             """Refuse a server whose tokenizer differs, before any item: one chat-templated text, echoed."""
-            try:
-                text = self.apply_chat_template([{"role": "user", "content": PROBE_TEXT}])
-            except Exception:  # noqa: BLE001 - a tokenizer without a chat template: the plain text
-                text = PROBE_TEXT
-            reference, prompt, add_special = self._prompt(text, self.max_length)
-            (choice,) = self._timed(prompt=prompt, max_tokens=0, echo=True, logprobs=0, temperature=0,
-                                    add_special_tokens=add_special, return_tokens_as_token_ids=True)
-            check_tokens(served_ids(choice, self.tokenizer, len(reference)), reference, self.tokenizer,
-                         f"tokenizer probe {_preview(text)!r}")
+            probe_tokenizer(self)
+
+        # -- the items
+        def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, **kwargs: Any) -> list:
+            return score_loglikelihood(self, requests)
+
+        def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
+            return [score_rolling(self, string) for (string,) in (request.args for request in requests)]
 
         def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
-            eos = self.twin.tok_decode(self.eot_token_id, skip_special_tokens=False)
-            replies = []
-            for request in requests:
-                context, gen_kwargs = request.args
-                kwargs = normalize_gen_kwargs(gen_kwargs, self.twin.max_gen_toks)
-                until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
-                max_gen_toks = int(kwargs.pop("max_gen_toks"))
-                if kwargs.get("do_sample") or float(kwargs.get("temperature") or 0.0) > 0.0:
-                    raise EndpointError(f"generation item {_preview(context)!r} asks for sampling ({gen_kwargs}); "
-                                        "an endpoint candidate is paired greedily: set the task to do_sample: false")
-                what = f"generation item {_preview(context)!r}"
-                reference, prompt, add_special = self._prompt(context, self.max_length - max_gen_toks)
-                self._fits(len(reference) + max_gen_toks, what)
-                (choice,) = self._timed(prompt=prompt, max_tokens=max_gen_toks, temperature=0, echo=True,
-                                        logprobs=0, stop=[s for s in until if s], add_special_tokens=add_special,
-                                        return_tokens_as_token_ids=True, skip_special_tokens=True)
-                check_tokens(served_ids(choice, self.tokenizer, len(reference)), reference, self.tokenizer, what)
-                text = str(choice.get("text") or "")
-                echoed = context if isinstance(prompt, str) else None
-                if echoed is not None and not text.startswith(echoed):
-                    raise EndpointError(f"{what}: the server's echo does not start with the prompt text; it does not "
-                                        "echo prompts as the OpenAI completions API does")
-                reply = text[len(echoed):] if echoed is not None else _after_tokens(choice, len(reference))
-                reply = postprocess_generated_text(reply, until, None)
-                self.prompt_tokens += len(reference)
-                self.generated_tokens += max(0, len((choice.get("logprobs") or {}).get("tokens") or [])
-                                             - len(reference))
-                replies.append(reply)
-                self.cache_hook.add_partial("generate_until", (context, gen_kwargs), reply)
-            return replies
+            return [generate_one(self, *request.args) for request in requests]
 
-    lm = EndpointLM()
-    lm.probe()
-    return lm
+    return EndpointLM
+
+
+def score_loglikelihood(lm: Any, requests: list) -> list[tuple[float, bool]]:
+    """Log-likelihood requests: prompt log-probs of the reference's token ids, ``batch_size`` prompts a request."""
+    batch = max(1, lm.client.spec.batch_size)
+    results: list[tuple[float, bool]] = []
+    for start in range(0, len(requests), batch):
+        chunk = requests[start:start + batch]
+        prompts = [(list(ctx) + list(cont))[-(lm.max_length + 1):] for _, ctx, cont in chunk]
+        for (key, _, _), prompt in zip(chunk, prompts):
+            lm._fits(len(prompt), f"item {_preview(str(key[0]) if key else '')!r}")
+        # token *texts* come back (no return_tokens_as_token_ids): echoed ids would only repeat the ids
+        # sent, while their texts show which vocabulary the server scored them in
+        choices = lm._timed(prompt=prompts, max_tokens=0, echo=True, logprobs=max(1, lm.client.spec.top_logprobs),
+                            temperature=0)
+        if len(choices) != len(prompts):
+            raise EndpointError(f"the server answered {len(choices)} of {len(prompts)} prompts of one request")
+        for (key, _, cont), prompt, choice in zip(chunk, prompts, choices):
+            check_tokens(served_ids(choice, lm.tokenizer, len(prompt)), prompt, lm.tokenizer,
+                         f"log-likelihood item {_preview(str(key[0]) if key else '')!r}")
+            answer = _continuation_score(choice, len(cont))
+            lm.prompt_tokens += len(prompt)
+            results.append(answer)
+            if key is not None:
+                lm.cache_hook.add_partial("loglikelihood", key, answer)
+    return results
+
+
+def score_rolling(lm: Any, string: str) -> float:
+    """A rolling log-likelihood request: the text's disjoint windows scored as log-likelihood requests."""
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
+        token_list=lm.tok_encode(string), prefix_token=lm.prefix_token_id, max_seq_len=lm.max_length,
+        context_len=1)]
+    total = sum(score for score, _ in score_loglikelihood(lm, [(None, ctx, cont) for ctx, cont in windows]))
+    lm.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
+    return total
+
+
+def reference_prompt(lm: Any, context: str, left_truncate_len: int) -> tuple[list[int], str | list[int], bool]:
+    """(the reference's prompt ids as HFLM's generate_until makes them, what to send, add_special_tokens).
+
+    The text is sent unless HFLM left-truncated it (then its ids are); ``add_special_tokens`` is
+    HFLM's choice (False when the text already starts with BOS), passed on to servers that read it.
+    """
+    from lm_eval.models.utils import has_bos_prefix
+
+    ids, _ = lm.twin.tok_batch_encode([context], left_truncate_len=left_truncate_len)
+    reference = ids[0].tolist()
+    bos = getattr(lm.tokenizer, "bos_token", None)
+    add_special = False if has_bos_prefix(context, bos) else (
+        lm.twin.add_bos_token if lm.twin.add_bos_token is not None else True)
+    full = lm.tok_encode(context, add_special_tokens=add_special)
+    return reference, (context if len(full) == len(reference) else reference), add_special
+
+
+def probe_tokenizer(lm: Any) -> None:
+    """Refuse a server whose tokenizer differs, before any item: one chat-templated text, echoed."""
+    try:
+        text = lm.apply_chat_template([{"role": "user", "content": PROBE_TEXT}])
+    except Exception:  # noqa: BLE001 - a tokenizer without a chat template: the plain text
+        text = PROBE_TEXT
+    reference, prompt, add_special = reference_prompt(lm, text, lm.max_length)
+    (choice,) = lm._timed(prompt=prompt, max_tokens=0, echo=True, logprobs=0, temperature=0,
+                          add_special_tokens=add_special, return_tokens_as_token_ids=True)
+    check_tokens(served_ids(choice, lm.tokenizer, len(reference)), reference, lm.tokenizer,
+                 f"tokenizer probe {_preview(text)!r}")
+
+
+def generate_one(lm: Any, context: str, gen_kwargs: dict) -> str:
+    """One generation request: the prompt text as lm-eval built it, greedy, cut at the stop strings as HFLM cuts."""
+    from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+
+    eos = lm.twin.tok_decode(lm.eot_token_id, skip_special_tokens=False)
+    kwargs = normalize_gen_kwargs(gen_kwargs, lm.twin.max_gen_toks)
+    until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+    max_gen_toks = int(kwargs.pop("max_gen_toks"))
+    if kwargs.get("do_sample") or float(kwargs.get("temperature") or 0.0) > 0.0:
+        raise EndpointError(f"generation item {_preview(context)!r} asks for sampling ({gen_kwargs}); "
+                            "an endpoint candidate is paired greedily: set the task to do_sample: false")
+    what = f"generation item {_preview(context)!r}"
+    reference, prompt, add_special = reference_prompt(lm, context, lm.max_length - max_gen_toks)
+    lm._fits(len(reference) + max_gen_toks, what)
+    (choice,) = lm._timed(prompt=prompt, max_tokens=max_gen_toks, temperature=0, echo=True, logprobs=0,
+                          stop=[s for s in until if s], add_special_tokens=add_special,
+                          return_tokens_as_token_ids=True, skip_special_tokens=True)
+    check_tokens(served_ids(choice, lm.tokenizer, len(reference)), reference, lm.tokenizer, what)
+    text = str(choice.get("text") or "")
+    echoed = context if isinstance(prompt, str) else None
+    if echoed is not None and not text.startswith(echoed):
+        raise EndpointError(f"{what}: the server's echo does not start with the prompt text; it does not "
+                            "echo prompts as the OpenAI completions API does")
+    reply = text[len(echoed):] if echoed is not None else _after_tokens(choice, len(reference))
+    reply = postprocess_generated_text(reply, until, None)
+    lm.prompt_tokens += len(reference)
+    lm.generated_tokens += max(0, len((choice.get("logprobs") or {}).get("tokens") or []) - len(reference))
+    lm.cache_hook.add_partial("generate_until", (context, gen_kwargs), reply)
+    return reply
 
 
 def _continuation_score(choice: dict, n_cont: int) -> tuple[float, bool]:

@@ -37,13 +37,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from harness.config import RunConfig
-from harness.evaluation.slices import Slice, resolve
+from harness.config import ModelConfig
+from harness.evaluation.slices import Slice
 from harness.infra import progress
 from harness.infra.cache import Cache
 from harness.infra.locks import LockTimeout
 from harness.job import stage_meter
-from harness.job.identity import reference_key
+from harness.job.identity import ReferenceSpec, reference_key
 from harness.models import loading as models
 
 log = logging.getLogger("harness")
@@ -151,9 +151,9 @@ def _weight_bytes(model: Any) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def wanted(cfg: RunConfig, loaded: models.LoadedModel, threads: int, missing: int) -> tuple[bool, str]:
+def wanted(spec: ReferenceSpec, loaded: models.LoadedModel, threads: int, missing: int) -> tuple[bool, str]:
     """(split into two processes?, why) for this job; see the module docstring."""
-    setting = str(cfg.runtime.reference_process).lower()
+    setting = spec.process.lower()
     if setting in ("false", "off", "0"):
         return False, "runtime.reference_process=false"
     if not missing:
@@ -162,7 +162,7 @@ def wanted(cfg: RunConfig, loaded: models.LoadedModel, threads: int, missing: in
         return False, "one thread"
     if setting in ("true", "on", "1"):
         return True, "runtime.reference_process=true"
-    if cfg.model.device != "cpu" or cfg.eval.backend != "hf":
+    if spec.device != "cpu" or spec.backend != "hf":
         return False, "not a CPU job"
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if _weight_bytes(loaded.model) > MAX_SHARE_OF_MEMORY * memory:
@@ -170,14 +170,15 @@ def wanted(cfg: RunConfig, loaded: models.LoadedModel, threads: int, missing: in
     return True, f"{threads} threads on a CPU"
 
 
-def start(cfg: RunConfig, loaded: models.LoadedModel, slices: list[Slice], cache: Cache,
+def start(spec: ReferenceSpec, model: ModelConfig, loaded: models.LoadedModel, slices: list[Slice], cache: Cache,
           threads: int) -> Background | None:
     """Start the child for the slices whose reference is missing; None when the job should not split.
 
+    The child loads ``model`` again (from ``cache``'s models) and computes those references with ``spec``.
     On return this process runs with its share of the threads (restore with :func:`finish`).
     """
-    missing = [s.name for s in slices if not cache.complete("reference", reference_key(loaded, s, cfg))]
-    split, why = wanted(cfg, loaded, threads, len(missing))
+    missing = [s for s in slices if not cache.complete("reference", reference_key(loaded, s, spec))]
+    split, why = wanted(spec, loaded, threads, len(missing))
     if not split:
         log.debug("reference in this process: %s", why)
         return None
@@ -190,7 +191,8 @@ def start(cfg: RunConfig, loaded: models.LoadedModel, slices: list[Slice], cache
     os.close(handle)
     kills_before = oom_kills()
     events = context.Queue() if progress.current().active else None  # its progress and log, for the display
-    process = context.Process(target=_child, args=(cfg, missing, child_threads, ready, done, heartbeat, events),
+    process = context.Process(target=_child, args=(spec, model, str(cache.root), missing, child_threads, ready, done,
+                                                   heartbeat, events),
                               daemon=True, name="harness-reference")
     process.start()
     if events is not None:
@@ -210,7 +212,7 @@ def start(cfg: RunConfig, loaded: models.LoadedModel, slices: list[Slice], cache
     log.info("reference of %s in a second process (pid %d, %d thread(s)); this one evaluates with %d (%s)",
              ", ".join(held), process.pid, child_threads, threads - child_threads, why)
     background = Background(process, held, (threads - child_threads, child_threads), done, Path(heartbeat))
-    background.watchdog = threading.Thread(target=_watch, args=(background, cfg.runtime.reference_stall_s,
+    background.watchdog = threading.Thread(target=_watch, args=(background, spec.stall_s,
                                                                  kills_before), name="reference-watchdog", daemon=True)
     background.watchdog.start()
     return background
@@ -266,8 +268,8 @@ def _touching(path: str, every_s: float = 1.0) -> Any:
     return hook
 
 
-def _child(cfg: RunConfig, slice_names: list[str], threads: int, ready: Any, done: Any,
-           heartbeat: str | None = None, events: Any = None) -> None:
+def _child(spec: ReferenceSpec, model: ModelConfig, cache_dir: str, slices: list[Slice], threads: int, ready: Any,
+           done: Any, heartbeat: str | None = None, events: Any = None) -> None:
     """The second process: take the references' locks, say which, compute them, report the cost.
 
     ``heartbeat``: a file it touches while it makes progress (the parent's watchdog reads it).
@@ -286,12 +288,11 @@ def _child(cfg: RunConfig, slice_names: list[str], threads: int, ready: Any, don
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     locks = []
     try:
-        cache = Cache(cfg.paths.cache_dir)
-        loaded = models.load(cfg.model, cfg.paths.cache_dir)
-        slices = [s for s in resolve(cfg.slices) if s.name in slice_names]
+        cache = Cache(cache_dir)
+        loaded = models.load(model, cache_dir)
         mine = []
         for slice_ in slices:
-            lock = reference_lock(cache, reference_key(loaded, slice_, cfg), cfg, timeout=0)
+            lock = reference_lock(cache, reference_key(loaded, slice_, spec), spec.stall_s, timeout=0)
             try:
                 lock.acquire()
             except LockTimeout:
@@ -318,7 +319,7 @@ def _child(cfg: RunConfig, slice_names: list[str], threads: int, ready: Any, don
             with contextlib.suppress(OSError):
                 os.utime(heartbeat)
         try:
-            compute_reference(loaded, slice_, cfg, cache)
+            compute_reference(loaded, slice_, spec, cache)
         except BaseException:  # noqa: BLE001 - the parent finds the entry missing and computes it
             log.exception("reference for slice %s failed in the reference process; the job computes it", slice_.name)
         finally:

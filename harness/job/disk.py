@@ -9,9 +9,13 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harness.errors import UsageError
+
+if TYPE_CHECKING:
+    from harness.config import QuantConfig
+    from harness.job.identity import ReferenceSpec
 
 log = logging.getLogger("harness")
 
@@ -65,8 +69,10 @@ def gib(n: float) -> str:
     return f"{int(n)} B"
 
 
-def job_writes(cfg: Any, loaded: Any, slices: list[Any], cache: Any, results_dir: Path) -> list[Write]:
-    """What a job writes, estimated from its config and model (upper bounds; see the constants above).
+def job_writes(spec: ReferenceSpec, scheme: QuantConfig, loaded: Any, slices: list[Any], cache: Any,
+               results_dir: Path) -> list[Write]:
+    """What a job writes, estimated from its reference settings, its scheme and its model (upper bounds; see the
+    constants above).
 
     The results directory (records, token rows, the candidate's lm-eval request checkpoint), the
     reference cache entries still missing (records, the reference distribution in the configured
@@ -80,21 +86,21 @@ def job_writes(cfg: Any, loaded: Any, slices: list[Any], cache: Any, results_dir
     model, model_key = loaded.model, loaded.key
     config = model.config
     hidden, vocab = int(getattr(config, "hidden_size", 0) or 0), int(getattr(config, "vocab_size", 0) or 0)
-    store = cfg.eval.reference_store
-    per_token = {"hidden": hidden * 4, "logprobs": vocab * 4}.get(store, cfg.eval.reference_topk * 12 + 8)
+    store = spec.reference_store
+    per_token = {"hidden": hidden * 4, "logprobs": vocab * 4}.get(store, spec.reference_topk * 12 + 8)
     results = reference = 0
     for slice_ in slices:
         items = len(slice_.config.tasks) * (slice_.config.n_items or slice_.config.limit or ITEMS_PER_TASK)
         requests = items * (1 + CHOICES_PER_ITEM)
-        tokens = slice_.config.divergence_texts * max_divergence_tokens(slice_, cfg)
+        tokens = slice_.config.divergence_texts * max_divergence_tokens(slice_, spec)
         results += items * 2 * ITEM_BYTES + requests * REQUEST_BYTES + tokens * TOKEN_ROW_BYTES
-        if not cache.complete("reference", reference_key(loaded, slice_, cfg)):
+        if not cache.complete("reference", reference_key(loaded, slice_, spec)):
             reference += items * ITEM_BYTES + requests * REQUEST_BYTES + tokens * per_token
     if store == "hidden" and reference and not cache.complete("heads", model_key):
         reference += vocab * hidden * 4
     calibrated = 0
-    if get_method(cfg.quant.method).cacheable:  # whether its entry exists needs the calibration set: counted
-        linears = target_linears(model, cfg.quant)[0].values()
+    if get_method(scheme.method).cacheable:  # whether its entry exists needs the calibration set: counted
+        linears = target_linears(model, scheme)[0].values()
         calibrated = sum(m.weight.numel() * m.weight.element_size() for m in linears)
     writes = [Write(results_dir, int(MARGIN * results) + FIXED_BYTES, "results")]
     if reference:

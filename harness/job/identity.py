@@ -2,14 +2,16 @@
 
 A finished job is found again by :func:`run_key` (model, scheme, slices and settings; not where
 its outputs go or how many threads ran it), a slice's reference by :func:`reference_key` (model,
-slice content, the settings that change the reference's numbers, library versions). The
-evaluation settings and divergence texts of a slice are derived here too, so that the pipeline,
-the sweep planner, the sensitivity tool and the benchmarks build them one way.
+slice content, the settings that change the reference's numbers, library versions). Those
+settings are read from the run config once, into a :class:`ReferenceSpec`. The evaluation settings
+and divergence texts of a slice are derived here too, so that the pipeline, the sweep planner, the
+sensitivity tool and the benchmarks build them one way.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+from dataclasses import dataclass
 from itertools import zip_longest
 from pathlib import Path
 from typing import Any
@@ -39,12 +41,49 @@ def config_dict(cfg: RunConfig) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
 
 
+@dataclass(frozen=True)
+class ReferenceSpec:
+    """What a slice's reference is computed with, besides the model and the slice, read once from the
+    run config (:meth:`of`): the reference stage, its cache keys, the disk estimate and the plan take this
+    instead of the whole config. The first group is in the reference's cache key; the second says how it
+    is computed, not what."""
+
+    chat_template: bool  # model.chat_template
+    max_length: int  # model.max_length
+    device: str  # model.device
+    seed: int  # eval.seed
+    backend: str  # eval.backend
+    generator: str  # eval.generator
+    max_gen_toks: int | None  # eval.max_gen_toks
+    divergence_max_tokens: int  # eval.divergence_max_tokens (a slice's metadata may set its own)
+    divergence_plain: bool  # eval.divergence_plain
+    reference_store: str  # eval.reference_store
+    reference_topk: int  # eval.reference_topk
+    batch_size: int  # eval.batch_size, else the model's
+    checkpoint: str | None  # model.path: what a backend that serves checkpoints loads (None: no path)
+    process: str  # runtime.reference_process: auto | true | false
+    stall_s: float  # runtime.reference_stall_s
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> ReferenceSpec:
+        return cls(chat_template=cfg.model.chat_template, max_length=cfg.model.max_length, device=cfg.model.device,
+                   seed=cfg.eval.seed, backend=cfg.eval.backend, generator=cfg.eval.generator,
+                   max_gen_toks=cfg.eval.max_gen_toks, divergence_max_tokens=cfg.eval.divergence_max_tokens,
+                   divergence_plain=cfg.eval.divergence_plain, reference_store=cfg.eval.reference_store,
+                   reference_topk=cfg.eval.reference_topk, batch_size=cfg.eval.batch_size or cfg.model.batch_size,
+                   checkpoint=cfg.model.path or None, process=str(cfg.runtime.reference_process),
+                   stall_s=cfg.runtime.reference_stall_s)
+
+    def eval_settings(self, tokenizer_path: str | None) -> evaluate.EvalSettings:
+        """The lm-eval settings both models are evaluated with."""
+        return evaluate.EvalSettings(batch_size=self.batch_size, max_length=self.max_length, device=self.device,
+                                     chat_template=self.chat_template, seed=self.seed, tokenizer_path=tokenizer_path,
+                                     backend=self.backend, generator=self.generator, max_gen_toks=self.max_gen_toks)
+
+
 def eval_settings(cfg: RunConfig, tokenizer_path: str | None) -> evaluate.EvalSettings:
     """The lm-eval settings of a job (batch size falls back to the model's)."""
-    return evaluate.EvalSettings(batch_size=cfg.eval.batch_size or cfg.model.batch_size, max_length=cfg.model.max_length,
-                                 device=cfg.model.device, chat_template=cfg.model.chat_template, seed=cfg.eval.seed,
-                                 tokenizer_path=tokenizer_path, backend=cfg.eval.backend,
-                                 generator=cfg.eval.generator, max_gen_toks=cfg.eval.max_gen_toks)
+    return ReferenceSpec.of(cfg).eval_settings(tokenizer_path)
 
 
 def check_backend(cfg: RunConfig) -> None:
@@ -94,18 +133,18 @@ def _unset_design_dropped(slice_config: dict) -> dict:
     return {key: value for key, value in slice_config.items() if not (key in DESIGN_FIELDS and value is None)}
 
 
-def reference_key(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig) -> str:
+def reference_key(loaded: models.LoadedModel, slice_: Slice, spec: ReferenceSpec) -> str:
     """Cache key of one slice's reference: the model, the slice's content and the settings that change it."""
-    settings = {"chat_template": cfg.model.chat_template, "max_length": cfg.model.max_length, "seed": cfg.eval.seed,
-                "divergence_max_tokens": cfg.eval.divergence_max_tokens, "store": cfg.eval.reference_store,
-                "topk": cfg.eval.reference_topk, **({"backend": cfg.eval.backend} if cfg.eval.backend != "hf" else {}),
-                "generator": cfg.eval.generator,
-                **({"max_gen_toks": cfg.eval.max_gen_toks} if cfg.eval.max_gen_toks is not None else {}),
-                "lm_eval": _version("lm_eval"), "transformers": _version("transformers"), "device": cfg.model.device,
+    settings = {"chat_template": spec.chat_template, "max_length": spec.max_length, "seed": spec.seed,
+                "divergence_max_tokens": spec.divergence_max_tokens, "store": spec.reference_store,
+                "topk": spec.reference_topk, **({"backend": spec.backend} if spec.backend != "hf" else {}),
+                "generator": spec.generator,
+                **({"max_gen_toks": spec.max_gen_toks} if spec.max_gen_toks is not None else {}),
+                "lm_eval": _version("lm_eval"), "transformers": _version("transformers"), "device": spec.device,
                 "records": 2}  # 2: records carry each item's doc_id (sequential rounds select items by it)
-    if served_format(slice_, cfg):  # its divergence texts are its items' prompts + this reference's replies
+    if served_format(slice_, spec):  # its divergence texts are its items' prompts + this reference's replies
         settings["divergence"] = SERVED_FORMAT
-    if not cfg.eval.divergence_plain:  # no gold texts (the keys of references that hold them stay as they were)
+    if not spec.divergence_plain:  # no gold texts (the keys of references that hold them stay as they were)
         settings["plain_texts"] = False
     return stable_hash({"model": loaded.identity, "slice": slice_identity(slice_), "settings": settings}, 24)
 
@@ -131,6 +170,8 @@ def run_key(cfg: RunConfig, model_identity: dict | None = None) -> str:
         data["eval"].pop("sequential_method", None)
     if cfg.eval.max_gen_toks is None:  # likewise
         data["eval"].pop("max_gen_toks", None)
+    if not (cfg.candidate.endpoint or cfg.candidate.serve):  # only a served candidate's token divergence reads it
+        data["candidate"].pop("endpoint_divergence_topk", None)
     return stable_hash({"config": data, "model": model_identity}, 16)
 
 
@@ -139,13 +180,13 @@ def run_name(cfg: RunConfig) -> str:
     return cfg.tracking.run_name or f"{cfg.model.name}/{cfg.quant.name}/{'+'.join(cfg.slices)}"
 
 
-def max_divergence_tokens(slice_: Slice, cfg: RunConfig) -> int:
+def max_divergence_tokens(slice_: Slice, spec: ReferenceSpec) -> int:
     """Tokens of each divergence text scored: the slice's own limit, else eval's, within the context."""
-    limit = slice_.config.metadata.get("divergence_max_tokens", cfg.eval.divergence_max_tokens)
-    return min(int(limit), cfg.model.max_length)
+    limit = slice_.config.metadata.get("divergence_max_tokens", spec.divergence_max_tokens)
+    return min(int(limit), spec.max_length)
 
 
-def served_format(slice_: Slice, cfg: RunConfig) -> bool:
+def served_format(slice_: Slice, spec: ReferenceSpec) -> bool:
     """Whether a slice's divergence is scored on served texts (see :func:`served_texts`).
 
     For every slice by default: the headline KL is measured on what the model serves. With
@@ -153,7 +194,7 @@ def served_format(slice_: Slice, cfg: RunConfig) -> bool:
     are then scored on them alone, as before that option existed, except slices that set
     ``divergence_from_reference`` (long generation: error growth along the reference's reply).
     """
-    return bool(cfg.model.chat_template or slice_.config.divergence_from_reference or not cfg.eval.divergence_plain)
+    return bool(spec.chat_template or slice_.config.divergence_from_reference or not spec.divergence_plain)
 
 
 SERVED_FORMAT = "served-v1"  # in the reference key of slices scored on served texts
@@ -195,8 +236,8 @@ def spread_rows(rows: Any, limit: int | None) -> Any:
     return rows.loc[order[:limit]]
 
 
-def divergence_texts(slice_: Slice, cfg: RunConfig, settings: evaluate.EvalSettings) -> list[str]:
+def divergence_texts(slice_: Slice, settings: evaluate.EvalSettings) -> list[str]:
     """The gold texts scored for KL / PPL on ``slice_`` (none for registry slices)."""
     if slice_.directory is None:
         return []
-    return slice_.divergence_texts(**slice_.metadata(cfg.eval.seed, settings.tokenizer_path, settings.max_length))
+    return slice_.divergence_texts(**slice_.metadata(settings.seed, settings.tokenizer_path, settings.max_length))

@@ -43,9 +43,9 @@ from harness.infra.cache import (
 from harness.infra.runtime import apply_threads
 from harness.job import background_reference, disk, stage_meter, sweep
 from harness.job.identity import (
+    ReferenceSpec,
     check_backend,
     config_dict,
-    eval_settings,
     run_key,
     reference_key,
     run_name,
@@ -158,6 +158,11 @@ class Job:
     def finished(self) -> bool:
         return (self.results_dir / "summary.json").exists()
 
+    @property
+    def reference_spec(self) -> ReferenceSpec:
+        """What the reference stage reads of the config."""
+        return ReferenceSpec.of(self.cfg)
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -186,15 +191,16 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
                  job.results_dir)
         _log_to_mlflow(job.results_dir, job.cfg, job.checked)
         return pd.read_json(job.results_dir / "summary.json", typ="series").to_dict()
-    disk.check_disk_space(disk.job_writes(job.cfg, job.loaded, job.checked.slices, job.cache, job.results_dir))
+    disk.check_disk_space(disk.job_writes(job.reference_spec, job.cfg.quant, job.loaded, job.checked.slices,
+                                          job.cache, job.results_dir))
     if job.cfg.force:
         shutil.rmtree(job.checkpoint, ignore_errors=True)
 
     with job.timings.stage("reference"), progress.side("reference"):
-        background = background_reference.start(job.cfg, job.loaded, job.checked.slices, job.cache,
-                                                job.runtime["threads"])
+        background = background_reference.start(job.reference_spec, job.cfg.model, job.loaded, job.checked.slices,
+                                                job.cache, job.runtime["threads"])
         ready = {s.name: r for s in job.checked.slices
-                 if (r := reference_unless_busy(job.loaded, s, job.cfg, job.cache)) is not None}
+                 if (r := reference_unless_busy(job.loaded, s, job.reference_spec, job.cache)) is not None}
     candidate_stage = served_candidate if job.cfg.candidate.endpoint or job.cfg.candidate.serve else \
         external_candidate if job.cfg.candidate.path else quantized_candidate
     with job.timings.stage("quantize"):
@@ -203,15 +209,18 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     try:
         with job.timings.stage("evaluate"):
             evaluated = evaluate_stage(judged.loaded, job, ready)
+        references, deferred = gather_references(job, {**ready, **evaluated.waited}, background)
+        with job.timings.stage("divergence"), background_reference.scoring_threads(background,
+                                                                                   job.runtime["threads"]):
+            # a served candidate: the server's top-k log-probs of the same texts (KL as a lower bound)
+            tokens = job.served.divergence({s.name: references[s.name].texts for s in job.checked.slices}) \
+                if job.served else \
+                pd.concat([divergence.compare_to_reference(judged.loaded.model, references[s.name].texts, s.name,
+                                                                captured=evaluated.captured.pop(s.name, None))
+                                for s in job.checked.slices], ignore_index=True)
     finally:
-        if job.served is not None:  # a server the harness started stops here, also on a failure
+        if job.served is not None:  # a server the harness started stops here (after divergence), also on a failure
             job.served.stop()
-    references, deferred = gather_references(job, {**ready, **evaluated.waited}, background)
-    with job.timings.stage("divergence"), background_reference.scoring_threads(background, job.runtime["threads"]):
-        tokens = pd.DataFrame(columns=divergence.TOKEN_COLUMNS) if job.served else \
-            pd.concat([divergence.compare_to_reference(judged.loaded.model, references[s.name].texts, s.name,
-                                                            captured=evaluated.captured.pop(s.name, None))
-                            for s in job.checked.slices], ignore_index=True)
     result = write_results(job, judged, references, evaluated, tokens, started_at, deferred)
     if job.cfg.gate.enabled:  # gate.json + gate.xml beside the results (a sweep gates every run)
         decision = gate.gate_results(job.results_dir, job.cfg.gate)
@@ -283,7 +292,7 @@ def gather_references(job: Job, found: dict[str, SliceReference],
         # the child's thread count: a reference computed here after the child died matches the divergence stage
         with job.timings.stage("reference_wait"), progress.side("reference"), \
                 background_reference.scoring_threads(background, job.runtime["threads"]):
-            late = deferred_references(job.loaded, missing, job.cfg, job.cache)
+            late = deferred_references(job.loaded, missing, job.reference_spec, job.cache, job.cfg.model)
     job.runtime.update(background_reference.collect(background, job.timings.meter))
     computed_aside = background.slices if background is not None else ()
     references = {}
@@ -391,8 +400,8 @@ def evaluate_slices(loaded: models.LoadedModel, job: Job, references: dict[str, 
     :attr:`Evaluated.waited`) goes next; when none is, the slice another process will reach last goes
     without it (its replies are then run again in the divergence stage), so this process never idles.
     """
-    cfg = job.cfg
-    settings = eval_settings(cfg, tokenizer_dir(loaded))
+    spec = job.reference_spec
+    settings = spec.eval_settings(tokenizer_dir(loaded))
     lm = candidate_lm(loaded, job, settings)
     frames, aggregates, restored, requests, waited, captured = {}, {}, {}, {}, {}, {}
     remaining = list(job.checked.slices)
@@ -403,12 +412,12 @@ def evaluate_slices(loaded: models.LoadedModel, job: Job, references: dict[str, 
             waited[slice_.name] = reference
         checkpoint = job.checkpoint / slice_.name
         restored[slice_.name] = evaluate.checkpoint_rows(checkpoint)
-        teacher = None if reference is None else teacher_replies(slice_, reference.records, loaded.tokenizer, cfg)
-        captured[slice_.name] = capture_for(lm, slice_, cfg, teacher)
+        teacher = None if reference is None else teacher_replies(slice_, reference.records, loaded.tokenizer, spec)
+        captured[slice_.name] = capture_for(lm, slice_, spec, teacher)
         frames[slice_.name], agg = evaluate.evaluate_slice(lm, slice_, settings, checkpoint=checkpoint)
         requests[slice_.name] = evaluate.checkpoint_rows(checkpoint)
         aggregates.update(agg)
-    capture_for(lm, None, cfg)
+    capture_for(lm, None, spec)
     return Evaluated(pd.concat([frames[s.name] for s in job.checked.slices], ignore_index=True), aggregates,
                      restored, requests, waited=waited, captured=captured)
 
@@ -421,8 +430,9 @@ def _next_slice(job: Job, remaining: list[Slice], references: dict[str, SliceRef
     for slice_ in remaining:
         if slice_.name in references:
             return slice_, references[slice_.name]
-        if job.cache.complete("reference", reference_key(job.loaded, slice_, job.cfg)):
-            return slice_, deferred_references(job.loaded, [slice_], job.cfg, job.cache)[slice_.name]
+        if job.cache.complete("reference", reference_key(job.loaded, slice_, job.reference_spec)):
+            return slice_, deferred_references(job.loaded, [slice_], job.reference_spec, job.cache,
+                                               job.cfg.model)[slice_.name]
     return remaining[-1], None
 
 
@@ -433,8 +443,8 @@ def evaluate_in_rounds(loaded: models.LoadedModel, job: Job, references: dict[st
     one another process is computing is waited for right before its slice; those waited for are
     returned in :attr:`Evaluated.waited` (``references`` is not changed).
     """
-    cfg = job.cfg
-    settings = eval_settings(cfg, tokenizer_dir(loaded))
+    cfg, spec = job.cfg, job.reference_spec
+    settings = spec.eval_settings(tokenizer_dir(loaded))
     lm = candidate_lm(loaded, job, settings)
     rule = sequential.stop_rule(cfg, [s.name for s in job.checked.slices])
     records, aggregates, restored, requests, stops, placements = [], {}, {}, {}, {}, []
@@ -445,9 +455,10 @@ def evaluate_in_rounds(loaded: models.LoadedModel, job: Job, references: dict[st
         restored[slice_.name] = evaluate.checkpoint_rows(checkpoint)
         reference = references.get(slice_.name)
         if reference is None:
-            reference = waited[slice_.name] = deferred_references(job.loaded, [slice_], cfg, job.cache)[slice_.name]
-        captured[slice_.name] = capture_for(lm, slice_, cfg, teacher_replies(slice_, reference.records,
-                                                                             loaded.tokenizer, cfg))
+            reference = waited[slice_.name] = deferred_references(job.loaded, [slice_], spec, job.cache,
+                                                                  cfg.model)[slice_.name]
+        captured[slice_.name] = capture_for(lm, slice_, spec, teacher_replies(slice_, reference.records,
+                                                                              loaded.tokenizer, spec))
         frame, agg, stops[slice_.name], placed = sequential.evaluate_sequential(
             lm, slice_, settings, checkpoint, reference.records, rule, cfg.eval.seed, cfg.eval.sequential_round_items)
         placements.append(placed)
@@ -455,7 +466,7 @@ def evaluate_in_rounds(loaded: models.LoadedModel, job: Job, references: dict[st
         requests[slice_.name] = evaluate.checkpoint_rows(checkpoint)
         records.append(frame)
         aggregates.update(agg)
-    capture_for(lm, None, cfg)
+    capture_for(lm, None, spec)
     return Evaluated(pd.concat(records, ignore_index=True), aggregates, restored, requests,
                      {s.name: stops[s.name] for s in job.checked.slices if s.name in stops},
                      pd.concat(placements, ignore_index=True), waited, captured)

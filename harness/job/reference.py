@@ -25,7 +25,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from harness.config import RunConfig
+from harness.config import ModelConfig, RunConfig
 from harness.divergence import scoring as divergence
 from harness.divergence.capture import HiddenCapture
 from harness.evaluation import evaluate
@@ -34,8 +34,8 @@ from harness.infra import locks
 from harness.infra.cache import Cache
 from harness.infra.locks import LockTimeout
 from harness.job.identity import (
+    ReferenceSpec,
     divergence_texts,
-    eval_settings,
     max_divergence_tokens,
     reference_key,
     served_format,
@@ -43,6 +43,7 @@ from harness.job.identity import (
     tokenizer_dir,
 )
 from harness.models import loading as models
+from harness.models.hooks import forward_pre_hooks
 
 log = logging.getLogger("harness")
 
@@ -56,47 +57,49 @@ class SliceReference:
     restored_requests: int = 0  # requests read back from an interrupted attempt's checkpoint
 
 
-def compute_reference(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig, cache: Cache) -> SliceReference:
+def reference(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig, cache: Cache) -> SliceReference:
+    """:func:`compute_reference` with the settings of a run config (the public API's ``harness.reference``)."""
+    return compute_reference(loaded, slice_, ReferenceSpec.of(cfg), cache)
+
+
+def compute_reference(loaded: models.LoadedModel, slice_: Slice, spec: ReferenceSpec, cache: Cache) -> SliceReference:
     """The unquantized model's records and next-token reference for one slice, cached."""
-    key = reference_key(loaded, slice_, cfg)
-    with reference_lock(cache, key, cfg):
+    key = reference_key(loaded, slice_, spec)
+    with reference_lock(cache, key, spec.stall_s):
         entry = cache.entry("reference", key)
-        cached = read_cached(loaded, slice_, cfg, cache)
+        cached = read_cached(loaded, slice_, spec, cache)
         if cached is not None:
             return cached
         log.info("reference for slice %s: computing (cache miss %s)", slice_.name, key)
-        progress = loaded.model.get_input_embeddings().register_forward_pre_hook(lambda *_: locks.progress())
-        try:
-            return _compute(loaded, slice_, cfg, cache, key, entry)
-        finally:
-            progress.remove()
+        with forward_pre_hooks([(loaded.model.get_input_embeddings(), lambda *_: locks.progress())]):
+            return _compute(loaded, slice_, spec, cache, key, entry)
 
 
-def reference_lock(cache: Cache, key: str, cfg: RunConfig, timeout: float | None = None) -> locks.OwnedLock:
-    """A reference entry's lock; it stops beating when its holder makes no progress for
-    ``runtime.reference_stall_s`` (a hung job), so a job waiting for it takes over."""
-    return cache.lock("reference", key, timeout=timeout, stall_s=cfg.runtime.reference_stall_s)
+def reference_lock(cache: Cache, key: str, stall_s: float, timeout: float | None = None) -> locks.OwnedLock:
+    """A reference entry's lock; it stops beating when its holder makes no progress for ``stall_s``
+    (``runtime.reference_stall_s``: a hung job), so a job waiting for it takes over."""
+    return cache.lock("reference", key, timeout=timeout, stall_s=stall_s)
 
 
-def _compute(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig, cache: Cache, key: str,
+def _compute(loaded: models.LoadedModel, slice_: Slice, spec: ReferenceSpec, cache: Cache, key: str,
              entry: Path) -> SliceReference:
     """The reference computed and stored (the caller holds its lock)."""
-    settings = eval_settings(cfg, tokenizer_dir(loaded))
-    lm = evaluate.make_lm(loaded.model, loaded.tokenizer, settings, checkpoint=cfg.model.path or None)
+    settings = spec.eval_settings(tokenizer_dir(loaded))
+    lm = evaluate.make_lm(loaded.model, loaded.tokenizer, settings, checkpoint=spec.checkpoint)
     checkpoint = entry.with_name(f"{key}.checkpoint")  # per-request results of an interrupted attempt
     restored = evaluate.checkpoint_rows(checkpoint)
-    captured = capture_for(lm, slice_, cfg)  # the served texts' states, from the forwards that answer the items
+    captured = capture_for(lm, slice_, spec)  # the served texts' states, from the forwards that answer the items
     try:
         records, aggregates = evaluate.evaluate_slice(lm, slice_, settings, checkpoint=checkpoint)
     finally:
-        capture_for(lm, None, cfg)
-    plain = cfg.eval.divergence_plain and not slice_.config.divergence_from_reference
-    texts: list = divergence_texts(slice_, cfg, settings) if plain else []
-    if served_format(slice_, cfg):  # the items as served: prompt as evaluated + this reference's reply
+        capture_for(lm, None, spec)
+    plain = spec.divergence_plain and not slice_.config.divergence_from_reference
+    texts: list = divergence_texts(slice_, settings) if plain else []
+    if served_format(slice_, spec):  # the items as served: prompt as evaluated + this reference's reply
         texts += served_texts(slice_, records, loaded.tokenizer)
     scored = divergence.score_reference(loaded.model, loaded.tokenizer, texts,
-                                        max_tokens=max_divergence_tokens(slice_, cfg),
-                                        topk=cfg.eval.reference_topk, store=cfg.eval.reference_store,
+                                        max_tokens=max_divergence_tokens(slice_, spec),
+                                        topk=spec.reference_topk, store=spec.reference_store,
                                         captured=captured)
     with cache.writing("reference", key) as tmp:
         records.to_parquet(tmp / "records.parquet")
@@ -106,7 +109,7 @@ def _compute(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig, cache: C
     return SliceReference(records, aggregates, scored, False, restored)
 
 
-def capture_for(lm: object, slice_: Slice | None, cfg: RunConfig,
+def capture_for(lm: object, slice_: Slice | None, spec: ReferenceSpec,
                 teacher: dict[tuple[int, ...], tuple[int, ...]] | None = None) -> HiddenCapture | None:
     """Have ``lm`` keep the states of the forwards that answer ``slice_``'s items; None: it cannot.
 
@@ -116,33 +119,34 @@ def capture_for(lm: object, slice_: Slice | None, cfg: RunConfig,
     """
     if not hasattr(lm, "hidden_capture"):
         return None
-    capture = HiddenCapture() if slice_ is not None and served_format(slice_, cfg) else None
+    capture = HiddenCapture() if slice_ is not None and served_format(slice_, spec) else None
     lm.hidden_capture = capture  # type: ignore[attr-defined]
     lm.teacher = None if capture is None or not teacher else teacher.get  # type: ignore[attr-defined]
     return capture
 
 
 def teacher_replies(slice_: Slice, records: pd.DataFrame, tokenizer: object,
-                    cfg: RunConfig) -> dict[tuple[int, ...], tuple[int, ...]]:
+                    spec: ReferenceSpec) -> dict[tuple[int, ...], tuple[int, ...]]:
     """The reference's reply to each prompt whose served text the divergence stage scores whole.
 
     What the quantized side teacher-forces from a prompt's KV cache right after its prefill, so its
     distributions on the reference's reply cost the reply's tokens only. A served text longer than
     ``max_divergence_tokens`` (scored without the start of its prompt) is left out: it is run again.
     """
-    if not served_format(slice_, cfg):
+    if not served_format(slice_, spec):
         return {}
-    limit = max_divergence_tokens(slice_, cfg)
+    limit = max_divergence_tokens(slice_, spec)
     return {text.prompt_ids: text.reply_ids for text in served_texts(slice_, records, tokenizer)
             if len(text.prompt_ids) + len(text.reply_ids) <= limit}
 
 
-def read_cached(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig, cache: Cache) -> SliceReference | None:
+def read_cached(loaded: models.LoadedModel, slice_: Slice, spec: ReferenceSpec,
+                cache: Cache) -> SliceReference | None:
     """The cached reference of a slice; None when it is missing or damaged (then moved aside, with a warning).
 
     Call under the entry's lock. ``loaded`` only names the entry (a quantized model may be passed).
     """
-    key = reference_key(loaded, slice_, cfg)
+    key = reference_key(loaded, slice_, spec)
     if not cache.usable("reference", key):
         return None
     entry = cache.entry("reference", key)
@@ -154,51 +158,53 @@ def read_cached(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig, cache
                           pd.read_json(entry / "aggregates.json", typ="series").to_dict(), texts, True)
 
 
-def reference_unless_busy(loaded: models.LoadedModel, slice_: Slice, cfg: RunConfig,
+def reference_unless_busy(loaded: models.LoadedModel, slice_: Slice, spec: ReferenceSpec,
                           cache: Cache) -> SliceReference | None:
     """:func:`compute_reference`, or None when another live job holds this reference's lock.
 
     A free lock (or a stale one, broken with a warning) is taken and the reference computed or
     read here, exactly as :func:`compute_reference` does; only a lock with a live owner defers.
     """
-    key = reference_key(loaded, slice_, cfg)
-    lock = reference_lock(cache, key, cfg, timeout=0)  # one look: a live owner's lock raises at once
+    key = reference_key(loaded, slice_, spec)
+    lock = reference_lock(cache, key, spec.stall_s, timeout=0)  # one look: a live owner's lock raises at once
     try:
         lock.acquire()
     except LockTimeout:
         if cache.complete("reference", key):  # finished between the look and now
-            return compute_reference(loaded, slice_, cfg, cache)
+            return compute_reference(loaded, slice_, spec, cache)
         log.info("reference for slice %s: another job is computing it; quantizing and evaluating meanwhile",
                  slice_.name)
         return None
     try:
-        return compute_reference(loaded, slice_, cfg, cache)  # the lock is re-entrant within the process
+        return compute_reference(loaded, slice_, spec, cache)  # the lock is re-entrant within the process
     finally:
         lock.release()
 
 
-def deferred_references(quantized: models.LoadedModel, slices: list[Slice], cfg: RunConfig,
-                        cache: Cache) -> dict[str, SliceReference]:
+def deferred_references(quantized: models.LoadedModel, slices: list[Slice], spec: ReferenceSpec,
+                        cache: Cache, model: ModelConfig) -> dict[str, SliceReference]:
     """The references another job was computing, once ready; computed here if that job gave up.
 
     ``quantized`` is only used to find and read the cache entries (its identity is the
     unquantized model's). An entry still missing once its lock is free (the other job died or
-    failed) is computed, under the lock, with the unquantized model loaded again.
+    failed) is computed, under the lock, with the unquantized model (``model``, from ``cache``'s
+    models) loaded again.
     """
     unquantized: models.LoadedModel | None = None
     out = {}
     for slice_ in slices:
-        key = reference_key(quantized, slice_, cfg)
-        with reference_lock(cache, key, cfg):  # waits for the other job (breaks its lock if it died or stalled)
-            cached = read_cached(quantized, slice_, cfg, cache)
+        key = reference_key(quantized, slice_, spec)
+        # waits for the other job (breaks its lock if it died or stalled)
+        with reference_lock(cache, key, spec.stall_s):
+            cached = read_cached(quantized, slice_, spec, cache)
             if cached is not None:
                 out[slice_.name] = cached
                 continue
             log.warning("reference for slice %s: the job computing it ended without finishing it (or its entry "
                         "was damaged); loading the unquantized model again to compute it here", slice_.name)
             if unquantized is None:
-                unquantized = models.load(cfg.model, cfg.paths.cache_dir)
-            out[slice_.name] = compute_reference(unquantized, slice_, cfg, cache)
+                unquantized = models.load(model, cache.root)
+            out[slice_.name] = compute_reference(unquantized, slice_, spec, cache)
     return out
 
 

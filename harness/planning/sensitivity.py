@@ -262,13 +262,14 @@ def reference_texts(loaded: Any, cfg: RunConfig, n_texts: int) -> list[divergenc
     from harness.job import identity
 
     slices = resolve(cfg.slices)
-    settings = identity.eval_settings(cfg, identity.tokenizer_dir(loaded))
+    spec = identity.ReferenceSpec.of(cfg)
+    settings = spec.eval_settings(identity.tokenizer_dir(loaded))
     per_slice = max(1, math.ceil(n_texts / len(slices)))
     scored: list[divergence.ReferenceText] = []
     for slice_ in slices:
-        texts = identity.divergence_texts(slice_, cfg, settings)[:per_slice]
+        texts = identity.divergence_texts(slice_, settings)[:per_slice]
         scored += divergence.score_reference(loaded.model, loaded.tokenizer, texts,
-                                             max_tokens=identity.max_divergence_tokens(slice_, cfg))
+                                             max_tokens=identity.max_divergence_tokens(slice_, spec))
     if not scored:
         raise ValueError(f"the slices {list(cfg.slices)} give no divergence texts; pick an offline slice (slices=math)")
     return scored[:n_texts]

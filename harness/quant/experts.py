@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from harness.config import MoEQuantConfig
+from harness.models.hooks import forward_pre_hooks, run_batches
 
 __all__ = ["FusedExperts", "MoEQuantConfig", "UnfusedExperts", "find_fused_experts", "find_routers", "fuse_experts",
            "moe_settings", "unfuse_experts", "unfused", "expert_token_counts"]
@@ -302,14 +303,9 @@ def expert_token_counts(model: nn.Module, batches: list[Tensor]) -> dict[str, li
             index = args[1] if len(args) > 1 else next(v for k, v in kwargs.items() if "ind" in k)
             hits = torch.bincount(index.reshape(-1).cpu(), minlength=experts + 1)[:experts]
             counts[name] = hits if name not in counts else counts[name] + hits
-        hooks.append(fused.module.register_forward_pre_hook(record, with_kwargs=True))
-    device = next(model.parameters()).device
-    try:
-        for batch in batches:
-            model(batch.to(device), use_cache=False)
-    finally:
-        for hook in hooks:
-            hook.remove()
+        hooks.append((fused.module, record))
+    with forward_pre_hooks(hooks, with_kwargs=True):
+        run_batches(model, batches)
     return {name: [int(c) for c in value] for name, value in counts.items()}
 
 

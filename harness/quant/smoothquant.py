@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from harness.config import QuantConfig, SmoothQuantConfig
+from harness.models.hooks import forward_pre_hooks, run_batches
 from harness.quant.adapters import get_adapter, has_modules
 from harness.quant.base import QuantReport, register_method, target_linears
 from harness.quant.rtn import quantize_weights_rtn
@@ -84,14 +85,9 @@ def collect_input_maxima(model: nn.Module, groups: list[SmoothGroup], batches: l
             x = args[0].detach()
             value = x.abs().reshape(-1, x.shape[-1]).amax(dim=0).float()
             maxima[norm] = value if norm not in maxima else torch.maximum(maxima[norm], value)
-        hooks.append(model.get_submodule(group.linears[0]).register_forward_pre_hook(record))
-    device = next(model.parameters()).device
-    try:
-        for batch in batches:
-            model(batch.to(device), use_cache=False)
-    finally:
-        for hook in hooks:
-            hook.remove()
+        hooks.append((model.get_submodule(group.linears[0]), record))
+    with forward_pre_hooks(hooks):
+        run_batches(model, batches)
     missing = [g.norm for g in groups if g.norm not in maxima]
     if missing:
         raise RuntimeError(f"no calibration input reached the linears fed by {missing[:3]}; cannot smooth them")

@@ -12,7 +12,7 @@ from typing import Any
 
 import pandas as pd
 
-__all__ = ["MISSING", "count", "delta_ci", "flips", "is_missing", "num", "pm"]
+__all__ = ["MISSING", "count", "delta_ci", "flips", "is_missing", "lower_bound_mark", "num", "pm"]
 
 MISSING = "–"
 
@@ -50,3 +50,10 @@ def flips(right_to_wrong: Any, wrong_to_right: Any) -> str:
 def count(value: Any) -> str:
     """A whole number (``12``), or :data:`MISSING`."""
     return MISSING if is_missing(value) else str(int(value))
+
+
+def lower_bound_mark(row: dict) -> str:
+    """``"≥ "`` before a KL that is only a lower bound (a row with a ``kl_bound`` label: a served
+    candidate's KL on the server's top-k partition), else nothing."""
+    bound = row.get("kl_bound")
+    return "≥ " if isinstance(bound, str) and bound else ""

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.results.formatting import MISSING, count, delta_ci, flips, num, pm
+from harness.results.formatting import MISSING, count, delta_ci, flips, lower_bound_mark, num, pm
 from harness.results.summary import Comparison
 
 
@@ -27,13 +27,20 @@ def side_by_side(comparison: Comparison) -> pd.DataFrame:
             "flips r→w / w→r": flips(row["flips_right_to_wrong"], row["flips_wrong_to_right"]),
             "p (adj)": f"{num(row['delta_p'])} ({num(row['delta_p_adj'])})",
             "verdict": row.get("verdict", ""),
-            "KL mean ± SE": pm(tok_row.get("kl_mean"), tok_row.get("kl_se")),
-            "KL on": tok_row["kl_on"] if isinstance(tok_row.get("kl_on"), str) else MISSING,
+            "KL mean ± SE": lower_bound_mark(tok_row) + pm(tok_row.get("kl_mean"), tok_row.get("kl_se")),
+            "KL on": (tok_row["kl_on"] if isinstance(tok_row.get("kl_on"), str) else MISSING)
+            + (", top-k lower bound" if lower_bound_mark(tok_row) else ""),
             "KL plain text": num(tok_row.get("kl_plain_mean"), ".4f"),
             "top-1 agree": num(tok_row.get("top1_agree")),
             "PPL ref → quant": f"{num(tok_row.get('ppl_ref'), '.2f')} → {num(tok_row.get('ppl_quant'), '.2f')}",
         })
     return pd.DataFrame(rows)
+
+
+def divergence_lines(result: dict) -> list[str]:
+    """A served candidate's line on what its token divergence is (a top-k lower bound, or none at all)."""
+    line = (result.get("candidate") or {}).get("candidate.divergence")
+    return [str(line)] if line else []
 
 
 def print_comparison(comparison: Comparison, result: dict) -> None:
@@ -43,7 +50,7 @@ def print_comparison(comparison: Comparison, result: dict) -> None:
     print(f"{result['model']}  ·  {result['scheme']} ({num(quant.get('bits_per_weight'), '.3f')} bits/weight"
           f"{uncovered_note(quant)})  vs  unquantized reference")
     print(table.to_string(index=False))
-    for line in coverage_lines(result) + router_lines(result):
+    for line in divergence_lines(result) + coverage_lines(result) + router_lines(result):
         print(line)
     if result.get("max_gen_toks") is not None:
         print(f"generation capped at {result['max_gen_toks']} tokens a reply (eval.max_gen_toks): a smoke run, "
@@ -129,6 +136,7 @@ def markdown(comparison: Comparison, result: dict, kl_plot: str | None = None) -
         f"# {result['run_name']}", "",
         f"Scheme `{result['scheme']}` ({result.get('method', '')}) on `{result['model']}`; run key `{result['run_key']}`.",
         "", side_by_side(comparison).to_markdown(index=False), "",
+        *[f"{line}.\n" for line in divergence_lines(result)],
         *moe_markdown(result),
         *([*sequential_markdown(result), "", "![sequence](sequence.png)", ""] if result.get("sequential") else []),
         "## Sub-slices", "", sub[sub_cols].to_markdown(index=False, floatfmt=".3f"), "",
@@ -189,8 +197,8 @@ def kl_by_position(comparison: Comparison) -> pd.DataFrame:
     out = []
     for row in rows.to_dict("records"):
         out.append({"slice": row["slice"], "positions": row["bucket"], "tokens": count(row.get("n_tokens")),
-                    "KL mean ± SE": pm(row.get("kl_mean"), row.get("kl_se")),
-                    "KL p99": num(row.get("kl_p99"), ".4f"),
+                    "KL mean ± SE": lower_bound_mark(row) + pm(row.get("kl_mean"), row.get("kl_se")),
+                    "KL p99": lower_bound_mark(row) + num(row.get("kl_p99"), ".4f"),
                     "top-1 agree": pm(row.get("top1_agree"), row.get("top1_agree_se"), ".3f"),
                     "PPL ratio": num(row.get("ppl_ratio"), ".4f")})
     return pd.DataFrame(out, columns=["slice", "positions", "tokens", "KL mean ± SE", "KL p99", "top-1 agree",

@@ -37,9 +37,11 @@ class Comparison:
                 if key in row and row[key] is not None and _is_number(row[key]):
                     out[f"{prefix}/{key.replace('delta', 'acc_delta') if key.startswith('delta') else key}"] = float(row[key])
         for row in self.token_stats[self.token_stats["bucket"] == "all"].to_dict("records"):
+            bound = isinstance(row.get("kl_bound"), str)  # a lower bound is never logged under KL's own name
             for key, value in row.items():
                 if key not in ("slice", "bucket") and _is_number(value):
-                    out[f"{row['slice']}/{key}"] = float(value)
+                    name = key.replace("kl", "kl_lower_bound", 1) if bound and key.startswith("kl") else key
+                    out[f"{row['slice']}/{name}"] = float(value)
         for row in self.generation.to_dict("records"):
             for key in ("identical_rate", "first_diff_mean"):
                 if _is_number(row.get(key)):
@@ -136,6 +138,8 @@ def summarize_tokens(tokens: pd.DataFrame, edges: list[int]) -> pd.DataFrame:
     The slice and overall rows also carry the other kinds' KL, top-1 and PPL ratio under their own
     names (``kl_plain_mean`` for the plain gold texts, ``kl_prompt_mean`` for the prompt positions of
     the served texts: :data:`SIDE_COLUMNS`) and say what the headline is measured on (``kl_on``).
+    Token rows with a ``kl_bound`` (a served candidate's KL on the server's top-k partition) make every
+    row carry it: their KL is a lower bound, and :meth:`Comparison.metrics` names it ``kl_lower_bound_*``.
     """
     if tokens.empty:
         return pd.DataFrame(columns=["slice", "bucket"])
@@ -158,7 +162,11 @@ def summarize_tokens(tokens: pd.DataFrame, edges: list[int]) -> pd.DataFrame:
             everything = everything.merge(per_slice, on="slice", how="left")
             whole = token_stats.summarize_by(rows.assign(slice="overall"), "slice")[["slice", *names]]
             overall = overall.merge(whole.rename(columns=names), on="slice", how="left")
-    return pd.concat([overall, everything, by_position], ignore_index=True)
+    table = pd.concat([overall, everything, by_position], ignore_index=True)
+    bounds = sorted(set(tokens["kl_bound"].dropna())) if "kl_bound" in tokens else []
+    if bounds:  # a served candidate's KL on the server's top-k partition: a lower bound, labelled on every row
+        table["kl_bound"] = " + ".join(bounds)
+    return table
 
 
 def build(ref_items: pd.DataFrame, quant_items: pd.DataFrame, tokens: pd.DataFrame, cfg: CompareConfig,

@@ -170,8 +170,8 @@ def test_the_estimate_is_at_least_what_a_job_writes(make_cfg, tmp_path, cache_di
 
     cfg = identity.to_config(make_cfg(*TINY, "quant=gptq_w4g128", "tracking.enabled=false", "runtime.threads=1"))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)
-    estimate = {w.what: w.bytes for w in disk.job_writes(cfg, loaded, resolve(cfg.slices), Cache(cache_dir),
-                                                              tmp_path / "results")}
+    estimate = {w.what: w.bytes for w in disk.job_writes(identity.ReferenceSpec.of(cfg), cfg.quant, loaded,
+                                                         resolve(cfg.slices), Cache(cache_dir), tmp_path / "results")}
     run(cfg)
     written = {"results": _bytes_under(tmp_path / "results"),
                "reference cache": _bytes_under(cache_dir / "reference") + _bytes_under(cache_dir / "heads"),

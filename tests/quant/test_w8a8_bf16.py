@@ -172,7 +172,7 @@ def test_smollm2_bf16_fp8_kl_equals_the_real_fp8_gemm(make_cfg):
     cfg = identity.to_config(make_cfg("model=smollm2_135m", "model.dtype=bfloat16", "slices=[math]", "quant=fp8"))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)
     slice_ = resolve(cfg.slices)[0]
-    texts = identity.divergence_texts(slice_, cfg, identity.eval_settings(cfg, identity.tokenizer_dir(loaded)))
+    texts = identity.divergence_texts(slice_, identity.eval_settings(cfg, identity.tokenizer_dir(loaded)))
     ids = [divergence.tokenize(loaded.tokenizer, t, 1024) for t in texts]
 
     @torch.no_grad()

@@ -235,13 +235,15 @@ def test_plan_counts_each_jobs_tokens_without_evaluating(tmp_path, cache_dir):
 
     scored = sum(n(f"{item['question']}\nAnswer:") + n(f" {choice}") for item in items for choice in item["choices"])
     prompt = sum(n(f"{item['question']} Reply with the number only.") for item in items)
-    divergence = sum(len(tokenizer(item["gold_text"])["input_ids"]) for item in items[:2])
-    for counts in (plan.jobs[0].slices[0], plan.jobs[1].slices[0], plan.references[0].slices[0]):
+    # one prefill per prompt, no gold texts (eval.divergence_plain=false): a candidate runs forward again only the
+    # reference's replies (at most max_gen_toks=24 each), the reference none
+    for counts, divergence in ((plan.jobs[0].slices[0], 9 * 24), (plan.jobs[1].slices[0], 9 * 24),
+                               (plan.references[0].slices[0], 0)):
         assert (counts.requests, counts.scored, counts.prompt, counts.generated, counts.divergence) == (
             9 + 9 * 4, scored, prompt, 9 * 24, divergence)
-    seconds = (scored + prompt + divergence) / 1000.0 + 9 * 24 / 100.0
-    assert plan.jobs[0].estimated_s == pytest.approx(seconds)
-    assert plan.total_s == pytest.approx(3 * seconds)
+    seconds = (scored + prompt) / 1000.0 + 9 * 24 / 100.0
+    assert plan.jobs[0].estimated_s == pytest.approx(seconds + 9 * 24 / 1000.0)
+    assert plan.total_s == pytest.approx(3 * seconds + 2 * 9 * 24 / 1000.0)
     assert not (tmp_path / "results").exists() and not (tmp_path / "mlflow.db").exists()
 
 

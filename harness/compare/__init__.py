@@ -16,6 +16,7 @@ The package imports one way (each module only imports those below it)::
     __main__ (CLI)  →  pipeline  →  output  →  render.{markdown, html_page, terminal, plots}
                                                       →  render.tables  →  harness.results.formatting
                        pipeline  →  sources, analysis  →  options, harness.stats / summary
+                       pipeline  →  parity  →  sources, harness.stats / summary
 
 This file imports nothing at import time: the names below load their module on first use,
 so ``import harness.compare.sources`` does not pull in matplotlib.
@@ -36,6 +37,8 @@ _EXPORTS = {
     "log_comparison": "harness.compare.output",
     "write_report": "harness.compare.output",
     "compare_runs": "harness.compare.pipeline",
+    "ParityInputs": "harness.compare.parity",
+    "parity_table": "harness.compare.parity",
     "main": "harness.compare.__main__",
     "parse_options": "harness.compare.__main__",
 }

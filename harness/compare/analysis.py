@@ -42,6 +42,7 @@ class ComparisonReport:
     generation: pd.DataFrame
     tokens: pd.DataFrame
     survival: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)  # label, position, survival
+    parity: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)  # harness.compare.parity.parity_table
 
     @property
     def labels(self) -> list[str]:
@@ -55,7 +56,7 @@ class ComparisonReport:
         keep = self.item_stats[self.item_stats["level"].isin(["overall", "slice"])].copy()
         keep["slice"] = keep["slice"].where(keep["level"] == "slice", "overall")
         token_cols = ["kl_mean", "kl_se", "kl_p99", "kl_reverse_mean", "top1_agree", "top1_agree_se",
-                      "ppl_ratio", "ppl_ratio_se", "n_tokens"]
+                      "ppl_ratio", "ppl_ratio_se", "n_tokens", "kl_bound"]
         tok = self.token_stats
         if not tok.empty:
             tok = tok[tok["bucket"] == "all"][["label", "slice", *[c for c in token_cols if c in tok]]]

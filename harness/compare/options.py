@@ -41,6 +41,9 @@ class CompareOptions:
     name: str | None = _opt(None, "None: the sweep id, else the experiment name")
     out: str | None = _opt(None, "None: results/compare/<name>")
     log: bool = _opt(True, "log the comparison to MLflow (only when runs came from MLflow)")
+    parity: bool = _opt(False, "the runs, in the order given, are a scheme's simulation, its export served by an engine "
+                               "and (optional) the reference served by that engine: add the simulation-against-served "
+                               "table (python -m harness.parity)")
 
     def report_name(self) -> str:
         raw = self.name or self.sweep or self.experiment

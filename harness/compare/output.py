@@ -31,6 +31,9 @@ def write_report(report: ComparisonReport, out_dir: str | Path | None = None) ->
         path = out / f"{name}.parquet"
         frame.to_parquet(path, index=False)
         written[name] = path
+    if not report.parity.empty:
+        written["parity"] = out / "parity.parquet"
+        report.parity.to_parquet(written["parity"], index=False)
     written["markdown"] = out / "comparison.md"
     written["markdown"].write_text(markdown.markdown(report, figures), encoding="utf-8")
     written["html"] = out / "comparison.html"

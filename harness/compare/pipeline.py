@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 from harness.compare.analysis import ComparisonReport, analyse
 from harness.compare.options import CompareOptions
+from harness.compare.parity import ParityInputs, parity_table
 from harness.compare.output import default_out_dir, log_comparison, write_report
 from harness.compare.sources import load_mlflow_run, load_results_dir, select_runs
 from harness.results.tracking import resolve_uri
@@ -54,6 +55,11 @@ def execute(options: CompareOptions, *, write: bool) -> ComparisonReport:
                                run_ids=options.runs)
         loaded = [load_mlflow_run(client, r.info.run_id) for r in selected]
     report = analyse(loaded, options)
+    if options.parity:
+        if not 2 <= len(loaded) <= 3:
+            raise ValueError(f"parity=true compares 2 or 3 runs (simulation, served, floor), not {len(loaded)}: "
+                             "give them in that order with dirs=[...] or runs=[...]")
+        report.parity = parity_table(ParityInputs(*loaded), ci_level=options.ci_level)
     if write:
         out = default_out_dir(report)
         write_report(report, out)

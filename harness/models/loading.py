@@ -269,6 +269,41 @@ def _offload_dir(cache: Cache, cfg: ModelConfig) -> Path:
     return path
 
 
+def serving_directory(cfg: ModelConfig, cache_dir: str | os.PathLike) -> Path:
+    """A transformers directory with the model's weights as the harness loads them: what a serving engine
+    loads to serve the reference itself (the engine-noise floor of ``python -m harness.parity``).
+
+    A local ``hf`` model is its own directory, a hub id its snapshot in the hub cache (offline); a
+    packaged GGUF the dequantized copy in the model cache (made once, as :func:`load` makes it); a
+    ``tiny_random`` model is saved once under the model cache.
+    """
+    cache = Cache(cache_dir)
+    if cfg.source == "hf":
+        if Path(cfg.path).is_dir():
+            return Path(cfg.path)
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(cfg.path, revision=cfg.revision, local_files_only=True))
+        except Exception as exc:
+            raise ModelLoadError(f"model.path={cfg.path!r} is not in the hub cache for an engine to serve ({exc}); "
+                                 "download it first or give a local directory") from exc
+    if cfg.source == "gguf_package":
+        _, digest = _gguf_source(cfg)
+        key = digest[:24]
+        if not cache.complete("models", key):
+            load(dataclasses.replace(cfg, device="cpu"), cache_dir)  # dequantizes into the cache once
+        return cache.entry("models", key)
+    key = "tiny-" + stable_hash({"tiny": dataclasses.asdict(cfg.tiny), "dtype": cfg.dtype})[:24]
+    with cache.lock("models", key):
+        if not cache.usable("models", key):
+            model, tokenizer, _ = build_tiny_random(cfg, cache)
+            with cache.writing("models", key) as tmp:
+                model.save_pretrained(tmp)
+                tokenizer.save_pretrained(tmp)
+    return cache.entry("models", key)
+
+
 def load(cfg: ModelConfig, cache_dir: str | os.PathLike) -> LoadedModel:
     """Load a model and its tokenizer on the configured device and dtype, in eval mode."""
     check_available(cfg)

@@ -37,6 +37,7 @@ import json
 import logging
 import sys
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -46,7 +47,7 @@ import torch
 from omegaconf import OmegaConf
 
 from harness import cli, quant
-from harness.config import RunConfig, load_model_config
+from harness.config import ModelConfig, RunConfig, load_model_config
 from harness.divergence import scoring as divergence
 from harness.errors import UsageError
 from harness.evaluation import evaluate
@@ -54,8 +55,8 @@ from harness.evaluation.slices import Slice, resolve
 from harness.infra.cache import Cache, stable_hash
 from harness.job import stage_meter
 from harness.job.identity import (
+    ReferenceSpec,
     divergence_texts,
-    eval_settings,
     max_divergence_tokens,
     reference_key,
     run_key,
@@ -73,7 +74,7 @@ class SliceTokens:
     scored: int = 0  # log-likelihood requests: context + continuation tokens
     prompt: int = 0  # generation requests: prompt tokens
     generated: int = 0  # generation requests: max_gen_toks each (upper bound)
-    divergence: int = 0  # gold texts scored for KL / PPL
+    divergence: int = 0  # run forward again by the divergence stage: the reference's replies (+ gold texts, if plain)
 
     @property
     def forward(self) -> int:
@@ -138,10 +139,10 @@ def expand_sweep(overrides: Sequence[str]) -> list[list[str]]:
     return [job for batch in BasicSweeper.split_arguments(kept, None) for job in batch]
 
 
-def _tokenizer_for(cfg: RunConfig, cache: Cache) -> Any:
-    if cfg.model.source == "tiny_random":
-        return models.load_tokenizer(load_model_config(cfg.model.tiny.tokenizer), cache)
-    return models.load_tokenizer(cfg.model, cache)
+def _tokenizer_for(model: ModelConfig, cache: Cache) -> Any:
+    if model.source == "tiny_random":
+        return models.load_tokenizer(load_model_config(model.tiny.tokenizer), cache)
+    return models.load_tokenizer(model, cache)
 
 
 def _chat_template(tokenizer: Any):
@@ -152,14 +153,14 @@ def _chat_template(tokenizer: Any):
     return apply
 
 
-def count_slice_tokens(slice_: Slice, cfg: RunConfig, tokenizer: Any) -> SliceTokens:
+def count_slice_tokens(slice_: Slice, spec: ReferenceSpec, tokenizer: Any) -> SliceTokens:
     """Tokens one model runs through for ``slice_`` (lm-eval requests + divergence texts)."""
 
     tokenizer_path = getattr(tokenizer, "name_or_path", None)
-    settings = eval_settings(cfg, tokenizer_path if tokenizer_path and Path(tokenizer_path).exists() else None)
+    settings = spec.eval_settings(tokenizer_path if tokenizer_path and Path(tokenizer_path).exists() else None)
     manager = evaluate.task_manager(slice_, settings)  # with eval.max_gen_toks applied, as the job's
     counts = SliceTokens(slice_.name)
-    max_length = cfg.model.max_length
+    max_length = spec.max_length
 
     def length(text: str) -> int:
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -183,9 +184,14 @@ def count_slice_tokens(slice_: Slice, cfg: RunConfig, tokenizer: Any) -> SliceTo
                 counts.scored += min(length(instance.args[0]) + length(instance.args[1]), max_length)
             else:  # loglikelihood_rolling: the whole text, in windows of max_length
                 counts.scored += length(instance.args[0])
-    limit = max_divergence_tokens(slice_, cfg)
-    for text in divergence_texts(slice_, cfg, settings):
-        counts.divergence += int(divergence.tokenize(tokenizer, text, limit).numel())
+    # One prefill per prompt: the divergence stage reads the prompts' states from answering the items and runs
+    # forward only the reference's replies on the candidate (at most max_gen_toks each), plus the gold texts
+    # where eval.divergence_plain asks for them.
+    counts.divergence += counts.generated
+    if spec.divergence_plain:
+        limit = max_divergence_tokens(slice_, spec)
+        for text in divergence_texts(slice_, settings):
+            counts.divergence += int(divergence.tokenize(tokenizer, text, limit).numel())
     return counts
 
 
@@ -195,12 +201,12 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def measure_throughput(loaded: models.LoadedModel, cfg: RunConfig, *, seq_len: int = 128,
+def measure_throughput(loaded: models.LoadedModel, batch_size: int, *, seq_len: int = 128,
                        new_tokens: int = 8) -> tuple[float, float]:
-    """(prefill, decode) tokens/s of the loaded model at the configured batch size, on its device."""
+    """(prefill, decode) tokens/s of the loaded model at ``batch_size`` (4 at most), on its device."""
     model = loaded.model
     device = next(model.parameters()).device
-    batch = min(cfg.eval.batch_size or cfg.model.batch_size, 4)
+    batch = min(batch_size, 4)
     vocab = model.get_input_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (batch, seq_len), generator=generator).to(device)
@@ -254,11 +260,15 @@ def plan_sweep(overrides: Sequence[str], *, tokens_per_s: float | None = None,
                 plan.notes.append(known[label].note)
         model = known[label]
         counted = []
+        spec = ReferenceSpec.of(cfg)
         for slice_ in resolve(cfg.slices):
             key = stable_hash({"model": label, "slice": slice_identity(slice_), "eval": _structured_container(cfg.eval)})
             if key not in counts:  # first job of this model and slice: it also computes the reference
-                counts[key] = count_slice_tokens(slice_, cfg, model.tokenizer)
-                plan.references.append(_reference_plan(cfg, slice_, counts[key], model))
+                counts[key] = count_slice_tokens(slice_, spec, model.tokenizer)
+                # the reference decodes its replies: it runs none of them forward again
+                reference = dataclasses.replace(counts[key], divergence=counts[key].divergence - counts[key].generated)
+                plan.references.append(_reference_plan(cfg.model.name, slice_, spec, reference, model,
+                                                       Cache(cfg.paths.cache_dir)))
             counted.append(counts[key])
         plan.jobs.append(_job_plan(number, job, cfg, counted, model))
     sequential = [str(j.number) for j, cfg in zip(plan.jobs, configs) if cfg.eval.sequential]
@@ -284,57 +294,58 @@ def _job_config(overrides: list[str]) -> RunConfig:
     return cfg
 
 
-def _offline_tokenizer(cfg: RunConfig, cache: Cache) -> tuple[Any, str | None]:
+def _offline_tokenizer(model: ModelConfig, cache: Cache) -> tuple[Any, str | None]:
     """The model's tokenizer, or the packaged stand-in when it is not here and the hub cannot be reached."""
     try:
-        return _tokenizer_for(cfg, cache), None
+        return _tokenizer_for(model, cache), None
     except (OSError, ValueError) as exc:  # not on the hub cache / unreachable hub; a directory without its files
-        if cfg.model.source != "hf":
+        if model.source != "hf":
             raise
-        stand_in = load_model_config(cfg.model.tiny.tokenizer if cfg.model.tiny else "smollm2_135m")
-        log.warning("tokenizer of %s not available here (%s); counting tokens with %s's", cfg.model.path,
+        stand_in = load_model_config(model.tiny.tokenizer if model.tiny else "smollm2_135m")
+        log.warning("tokenizer of %s not available here (%s); counting tokens with %s's", model.path,
                     str(exc).splitlines()[0], stand_in.name)
         return models.load_tokenizer(stand_in, cache), (
-            f"{cfg.model.name}: tokens counted with {stand_in.name}'s tokenizer ({cfg.model.path}'s is neither local "
+            f"{model.name}: tokens counted with {stand_in.name}'s tokenizer ({model.path}'s is neither local "
             "nor in the hub cache); its vocabulary differs, so the counts are approximate — put the tokenizer files "
             "in the hub cache or model.path for exact ones")
 
 
-def _cuda_elsewhere(cfg: RunConfig) -> bool:
+def _cuda_elsewhere(model: ModelConfig) -> bool:
     """The job runs on GPUs (cuda, or auto: accelerate over the visible GPUs) and this machine has none:
     plan for them without loading anything."""
-    return (cfg.model.device.startswith("cuda") or cfg.model.device == "auto") and not torch.cuda.is_available()
+    return (model.device.startswith("cuda") or model.device == "auto") and not torch.cuda.is_available()
 
 
-def roofline(cfg: RunConfig, gpu: Any) -> Throughput:
-    """Rates of ``cfg.model`` on ``gpu`` from its shapes and the GPU's datasheet (see the module doc)."""
+def roofline(model: ModelConfig, batch: int, gpu: Any) -> Throughput:
+    """Rates of ``model`` at ``batch`` sequences on ``gpu`` from its shapes and the GPU's datasheet (see the
+    module doc)."""
     from harness.decision import ledger
 
-    arch = ledger.architecture(cfg.model)
+    arch = ledger.architecture(model)
     params = arch.total_params()
-    bits = torch.finfo(models.torch_dtype(cfg.model.dtype)).bits
+    bits = torch.finfo(models.torch_dtype(model.dtype)).bits
     flops = ledger.GPU_BF16_FLOPS[gpu.name]
     read = ledger.decode_read_bytes(params * bits / 8, arch.untied_embedding(), bits)
-    batch = cfg.eval.batch_size or cfg.model.batch_size
     prefill = flops / (2 * params)
     decode = min(batch * gpu.bandwidth_tbs * 1e12 / read, prefill)
     return Throughput(prefill, decode, 0.0,
-                      f"roofline for one {gpu.name} ({cfg.model.device} in the config; no CUDA here, nothing loaded): "
+                      f"roofline for one {gpu.name} ({model.device} in the config; no CUDA here, nothing loaded): "
                       f"{flops / 1e12:,.0f} TFLOP/s over 2 x {params / 1e9:.3g}B FLOP/token, {gpu.bandwidth_tbs:g} TB/s "
                       f"over {read / 1e9:.3g} GB read per step x batch {batch}; no load time — lower bounds")
 
 
 def _prepare_model(cfg: RunConfig, tokens_per_s: float | None, decode_tokens_per_s: float | None,
                    gpu: Any = None) -> _Model:
-    if tokens_per_s or _cuda_elsewhere(cfg):
-        tokenizer, note = _offline_tokenizer(cfg, Cache(cfg.paths.cache_dir))
+    batch = cfg.eval.batch_size or cfg.model.batch_size
+    if tokens_per_s or _cuda_elsewhere(cfg.model):
+        tokenizer, note = _offline_tokenizer(cfg.model, Cache(cfg.paths.cache_dir))
         if tokens_per_s:
             rate = Throughput(tokens_per_s, decode_tokens_per_s or tokens_per_s, 0.0, "given (tokens_per_s=)")
         else:
             from harness.decision import ledger
 
             gpu = gpu or ledger.resolve_gpus(["H100"])[0]
-            rate = roofline(cfg, gpu)
+            rate = roofline(cfg.model, batch, gpu)
             weight_gb = ledger.architecture(cfg.model).total_params() * \
                 torch.finfo(models.torch_dtype(cfg.model.dtype)).bits / 8 / 1e9
             if weight_gb + ledger.DEFAULT_RESERVE_GB > gpu.memory_gb:
@@ -350,9 +361,9 @@ def _prepare_model(cfg: RunConfig, tokens_per_s: float | None, decode_tokens_per
 
     apply_threads(cfg.runtime)  # the rates are measured with the threads the job would use
     loaded = models.load(cfg.model, cfg.paths.cache_dir)
-    rate = throughput_from_results(Path(cfg.paths.results_dir), cfg, current_hardware())
+    rate = throughput_from_results(Path(cfg.paths.results_dir), cfg.model, current_hardware())
     if rate is None:
-        prefill, decode = measure_throughput(loaded, cfg)
+        prefill, decode = measure_throughput(loaded, batch)
         rate = Throughput(prefill, decode, loaded.timings.get("load_s", 0.0),
                           f"measured here on {cfg.model.device} ({cfg.model.dtype})")
     if decode_tokens_per_s:
@@ -374,8 +385,8 @@ def current_hardware() -> str:
     return stage_meter.hardware(machine)
 
 
-def throughput_from_results(results_dir: Path, cfg: RunConfig, hardware: str) -> Throughput | None:
-    """Rates fitted to finished runs of ``cfg``'s model (name, dtype, device) on ``hardware``; None if none.
+def throughput_from_results(results_dir: Path, model: ModelConfig, hardware: str) -> Throughput | None:
+    """Rates fitted to finished runs of ``model`` (name, dtype, device) on ``hardware``; None if none.
 
     Each stage of each run is one equation ``seconds = prefill / P + generated / D``; the
     inverse rates 1/P, 1/D are their non-negative least-squares solution. Where that gives
@@ -389,11 +400,11 @@ def throughput_from_results(results_dir: Path, cfg: RunConfig, hardware: str) ->
     for path in sorted(results_dir.glob("*/summary.json")) if results_dir.is_dir() else []:
         try:
             summary = json.loads(path.read_text())
-            model = json.loads((path.parent / "config.json").read_text())["model"]
+            ran = json.loads((path.parent / "config.json").read_text())["model"]
         except (OSError, ValueError, KeyError):
             continue
-        if (summary.get("model") != cfg.model.name or model.get("dtype") != cfg.model.dtype
-                or model.get("device") != cfg.model.device or not summary.get("throughput")
+        if (summary.get("model") != model.name or ran.get("dtype") != model.dtype
+                or ran.get("device") != model.device or not summary.get("throughput")
                 or stage_meter.hardware(summary.get("machine") or {}) != hardware):
             continue
         stages = [summary["throughput"][s] for s in FITTED_STAGES if s in summary["throughput"]]
@@ -416,16 +427,17 @@ def throughput_from_results(results_dir: Path, cfg: RunConfig, hardware: str) ->
         per_decode = residual / design[~prefill_only, 1].sum()
     return Throughput(1.0 / per_prefill, 1.0 / per_decode, float(np.median(loads)),
                       f"fitted to {len(rows)} stages of {runs} earlier run(s) in {results_dir} on {hardware} "
-                      f"({cfg.model.device}, {cfg.model.dtype})")
+                      f"({model.device}, {model.dtype})")
 
 
-def _reference_plan(cfg: RunConfig, slice_: Slice, counts: SliceTokens, model: _Model) -> ReferencePlan:
+def _reference_plan(name: str, slice_: Slice, spec: ReferenceSpec, counts: SliceTokens, model: _Model,
+                    cache: Cache) -> ReferencePlan:
     status = "not checked"
     if model.loaded is not None:
-        cached = Cache(cfg.paths.cache_dir).complete("reference", reference_key(model.loaded, slice_, cfg))
+        cached = cache.complete("reference", reference_key(model.loaded, slice_, spec))
         status = "cached" if cached else "to compute"
     seconds = 0.0 if status == "cached" else model.throughput.seconds(counts.forward, counts.generated)
-    return ReferencePlan(cfg.model.name, [counts], status, seconds)
+    return ReferencePlan(name, [counts], status, seconds)
 
 
 def _job_plan(number: int, overrides: list[str], cfg: RunConfig, counted: list[SliceTokens], model: _Model) -> JobPlan:

@@ -5,10 +5,12 @@ from pathlib import Path
 
 from harness.compare.analysis import ComparisonReport
 from harness.compare.render.tables import (
+    PARITY_LEGEND,
     caption,
     detail_table,
     matrix_table,
     method_note,
+    parity_markdown,
     position_table,
     runs_table,
     sub_slice_table,
@@ -28,6 +30,8 @@ def markdown(report: ComparisonReport, figures: dict[str, Path]) -> str:
     positions = position_table(report)
     if not positions.empty:
         parts += ["## KL by token position", "", positions.to_markdown(index=False), ""]
+    if not report.parity.empty:
+        parts += ["## Simulation against served", "", parity_markdown(report.parity), "", PARITY_LEGEND, ""]
     parts += ["## Plots", ""]
     for name, path in figures.items():
         parts += [f"![{name}]({Path(path).name})", "", caption(name), ""]

@@ -2,13 +2,15 @@
 renderings so that all three show the same numbers in the same way (:mod:`harness.results.formatting`)."""
 from __future__ import annotations
 
+import math
+
 import pandas as pd
 
 from harness.compare.analysis import ComparisonReport
-from harness.results.formatting import count, delta_ci, flips, num, pm
+from harness.results.formatting import count, delta_ci, flips, lower_bound_mark, num, pm
 
-__all__ = ["caption", "detail_table", "matrix_table", "method_note", "position_table", "runs_table",
-           "sub_slice_table"]
+__all__ = ["PARITY_LEGEND", "caption", "detail_table", "matrix_table", "method_note", "parity_markdown",
+           "position_table", "runs_table", "sub_slice_table"]
 
 CAPTIONS = {
     "forest": "Δ accuracy with its clustered score interval per slice; filled markers are significant after correction.",
@@ -41,9 +43,9 @@ def detail_table(report: ComparisonReport) -> pd.DataFrame:
             "sig. (adj)": "yes" if row["significant"] else "no",
             "verdict": row["verdict"],
             "MDE": num(row["mde"]), "n for margin": count(row.get("n_needed")),
-            "KL mean ± SE": pm(row.get("kl_mean"), row.get("kl_se")),
-            "KL p99": num(row.get("kl_p99"), ".4f"),
-            "KL(q‖r) mean": num(row.get("kl_reverse_mean"), ".4f"),
+            "KL mean ± SE": lower_bound_mark(row) + pm(row.get("kl_mean"), row.get("kl_se")),
+            "KL p99": lower_bound_mark(row) + num(row.get("kl_p99"), ".4f"),
+            "KL(q‖r) mean": lower_bound_mark(row) + num(row.get("kl_reverse_mean"), ".4f"),
             "top-1 agree": pm(row.get("top1_agree"), row.get("top1_agree_se"), ".3f"),
             "PPL ratio ± SE": pm(row.get("ppl_ratio"), row.get("ppl_ratio_se")),
             "gen identical": num(row.get("identical_rate")),
@@ -94,7 +96,8 @@ def position_table(report: ComparisonReport) -> pd.DataFrame:
     part = part[part["slice"].isin(multi)]
     return pd.DataFrame([{
         "slice": r["slice"], "positions": r["bucket"], "scheme": r["label"], "tokens": int(r["n_tokens"]),
-        "KL mean ± SE": pm(r["kl_mean"], r["kl_se"]), "KL p99": num(r["kl_p99"], ".4f"),
+        "KL mean ± SE": lower_bound_mark(r) + pm(r["kl_mean"], r["kl_se"]),
+        "KL p99": lower_bound_mark(r) + num(r["kl_p99"], ".4f"),
         "top-1 agree": num(r["top1_agree"]), "PPL ratio": num(r["ppl_ratio"], ".4f"),
     } for r in part.to_dict("records")])
 
@@ -128,3 +131,33 @@ def caption(name: str) -> str:
     if name.startswith("forest_"):
         return f"Δ accuracy per sub-slice of {name[len('forest_'):]}."
     return CAPTIONS.get(name, name)
+
+
+PARITY_LEGEND = ("disagree: share of items answered differently (reply text, chosen answer). excess: agreement of "
+          "simulation with served minus agreement of the reference with its served self, on the same items; "
+          "EXCEEDS FLOOR when its interval lies below 0. KL: each run's own divergence from the reference "
+          "(served runs: a lower bound on the server's top-k log-probs, where the server returns them).")
+
+
+def parity_markdown(table: pd.DataFrame) -> str:
+    """:func:`harness.compare.parity.parity_table`'s rows as Markdown, intervals beside their estimates."""
+    def number(value: float, spec: str) -> str:
+        return "–" if value is None or math.isnan(value) else format(value, spec)
+
+    def interval(estimate: float, low: float, high: float) -> str:
+        return "–" if math.isnan(estimate) else f"{estimate:+.3f} [{low:+.3f}, {high:+.3f}]"
+
+    rows = []
+    for row in table.to_dict("records"):
+        rows.append({
+            "slice": row["slice"], "n": row["n"], "acc sim": number(row["acc_sim"], ".3f"),
+            "acc served": number(row["acc_served"], ".3f"),
+            "Δ served − sim [CI]": interval(row["delta"], row["delta_ci_low"], row["delta_ci_high"]),
+            "flips sim→served r→w / w→r": f"{row['sim_right_served_wrong']} / {row['sim_wrong_served_right']}",
+            "disagree sim/served": number(row["disagree_sim_served"], ".3f"),
+            "disagree floor": number(row["disagree_floor"], ".3f"),
+            "excess over floor [CI]": interval(row["excess"], row["excess_ci_low"], row["excess_ci_high"]),
+            "flag": {True: "EXCEEDS FLOOR", False: "within floor"}.get(row["exceeds_floor"], "no floor run"),
+            "KL sim": number(row["kl_sim"], ".4f"), "KL served": number(row["kl_served"], ".4f"),
+            "KL floor": number(row["kl_floor"], ".4f")})
+    return pd.DataFrame(rows).to_markdown(index=False)

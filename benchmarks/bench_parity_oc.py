@@ -53,8 +53,9 @@ def draw(rng: np.random.Generator, n: int, size: int, rho: float, p_floor: float
                          "agree_parity": (~parity).astype(float)})
 
 
-def main(argv: list[str] | None = None) -> int:
-    options = cli.parse(TOOL, sys.argv[1:] if argv is None else argv).options
+def measure(parsed: cli.Parsed[Options]) -> int:
+    options = parsed.options
+    assert options is not None
     rng = np.random.default_rng(options.seed)
     settings = dict(cluster_col="cluster", stratum_col=None, seed=0, correction="none", ci_level=0.95,
                     min_clusters=5, n_resamples=50)
@@ -84,6 +85,11 @@ def main(argv: list[str] | None = None) -> int:
 
 TOOL = cli.Tool(prog="python benchmarks/bench_parity_oc.py", options=Options,
                 summary="False-flag rate and power of the parity command's excess-over-floor flag, by simulation.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.main(TOOL, measure, argv)
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -621,6 +621,37 @@ def section_e2e(check: Check, device: str, work: Path) -> None:
                    "identical")
 
 
+def section_parity(check: Check, device: str, work: Path) -> None:
+    """``python -m harness.parity`` with a GPU's vLLM: fp8 simulated in bf16 against its export served by vLLM, and the
+    reference served by vLLM (the engine-noise floor), on the tiny model's math items. Needs vllm importable in this
+    python; skipped on the CPU dry run (the CPU engine has its own test tier)."""
+    import importlib.util
+
+    from harness.job import parity
+
+    if check.options.dry_run or importlib.util.find_spec("vllm") is None:
+        check.line("INFO", "parity", "skipped: " + ("dry run" if check.options.dry_run else "vllm is not installed here"),
+                   "vllm importable")
+        return
+    serve = (f"{sys.executable} -m vllm.entrypoints.openai.api_server --model {{model}} --host 127.0.0.1 --port {{port}} "
+             "--dtype bfloat16 --max-model-len 2048 --gpu-memory-utilization 0.3 --enforce-eager")
+    out = work / "parity"
+    start = time.perf_counter()
+    code = parity.main(["model=tiny_random", "model.dtype=bfloat16", f"model.device={device}", "quant=fp8",
+                        "slices=[math]", "slices.math.n_items=18", "eval.max_gen_toks=16", "tracking.enabled=false",
+                        f"paths.cache_dir={work / 'cache'}", f"paths.results_dir={work / 'parity_results'}",
+                        f"serve={serve}", f"out={out}"])
+    table = json.loads((out / "parity.json").read_text())["rows"] if code == 0 else []
+    overall = next((row for row in table if row["slice"] == "overall"), None)
+    if overall is None:
+        check.line("FAIL", "parity", f"exit {code}, no table", "a parity table")
+        return
+    check.line("PASS", "parity", f"{time.perf_counter() - start:.0f} s; sim vs served disagree "
+               f"{overall['disagree_sim_served']:.3f}, floor {overall['disagree_floor']:.3f}, "
+               f"exceeds floor: {overall['exceeds_floor']}", "a parity table", **{k: overall[k] for k in (
+                   "disagree_sim_served", "disagree_floor", "excess", "exceeds_floor")})
+
+
 def body(parsed: cli.Parsed[Options]) -> int:
     opts = parsed.options
     assert opts is not None
@@ -646,6 +677,7 @@ def body(parsed: cli.Parsed[Options]) -> int:
         check.step("generation", lambda: section_generation(check, device, shape))
         check.step("moe", lambda: section_moe(check, device))
         check.step("e2e", lambda: section_e2e(check, device_name, work))
+        check.step("parity", lambda: section_parity(check, device_name, work))
     failed = [row["check"] for row in check.rows if row["status"] == "FAIL"]
     check.line("FAIL" if failed else "PASS", "total", f"{check.elapsed():.0f} s, {len(check.rows)} checks, "
                f"{len(failed)} failed" + (f": {', '.join(failed)}" if failed else ""), f"≤ {opts.budget_s:.0f} s")

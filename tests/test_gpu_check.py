@@ -31,7 +31,7 @@ def test_dry_run_runs_every_section(gpu_check, tmp_path):
             "formats/nvfp4", "formats/fp8_block", "fp8_gemm/q_proj", "fp8_gemm/down_proj", "fp8_gemm/model",
             "generation/greedy == generate",
             "moe/build", "moe/quantize", "moe/decode",
-            "e2e/none@cpu", "e2e/gptq_w4g128@cpu", "e2e/kv8@cpu",
+            "e2e/none@cpu", "e2e/gptq_w4g128@cpu", "e2e/kv8@cpu", "parity",
             "total"} <= names
     kl = {r["check"]: r.get("kl") for r in rows}
     assert kl["schemes/none"] == 0.0 and kl["schemes/int4_g128"] > 0

@@ -228,7 +228,7 @@ def test_some_sub_slice_discriminates_on_smollm2() -> None:
     the whole slice, idle, 2026-12-02: 512 at 10/50/90% depth 50/67/83%, 1k 80/60/90%."""
     from harness.evaluation import evaluate
     from harness.models import loading as models
-    from harness.job.pipeline import eval_settings, to_config, tokenizer_dir as model_tokenizer_dir
+    from harness.job.identity import eval_settings, to_config, tokenizer_dir as model_tokenizer_dir
 
     cfg = to_config(compose(["model=smollm2_135m", "slices=[long_context]", "eval.batch_size=1"]))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)

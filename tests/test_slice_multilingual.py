@@ -193,7 +193,7 @@ def test_some_language_discriminates_on_gemma() -> None:
     ``samples``), so its items and prompts are the ones a job scores."""
     from harness.evaluation import evaluate
     from harness.models import loading as models
-    from harness.job.pipeline import eval_settings, to_config, tokenizer_dir
+    from harness.job.identity import eval_settings, to_config, tokenizer_dir
 
     cfg = to_config(compose(["model=gemma3_270m", "slices=[multilingual]"]))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)

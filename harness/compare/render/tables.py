@@ -157,7 +157,7 @@ def parity_markdown(table: pd.DataFrame) -> str:
             "disagree sim/served": number(row["disagree_sim_served"], ".3f"),
             "disagree floor": number(row["disagree_floor"], ".3f"),
             "excess over floor [CI]": interval(row["excess"], row["excess_ci_low"], row["excess_ci_high"]),
-            "flag": {True: "EXCEEDS FLOOR", False: "within floor"}.get(row["exceeds_floor"], "no floor run"),
+            "flag": {True: "EXCEEDS FLOOR", False: "not shown beyond floor"}.get(row["exceeds_floor"], "no floor run"),
             "KL sim": number(row["kl_sim"], ".4f"), "KL served": number(row["kl_served"], ".4f"),
             "KL floor": number(row["kl_floor"], ".4f")})
     return pd.DataFrame(rows).to_markdown(index=False)

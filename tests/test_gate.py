@@ -283,3 +283,15 @@ def test_a_clustered_pass_needs_min_clusters_pass_clusters(tmp_path):
     assert outcome_of(decision, "singletons").outcome == gate.PASS
     lifted = gate.gate_results(run, GateConfig(min_clusters_pass=0))
     assert outcome_of(lifted, "twelve").outcome == gate.PASS
+
+
+def test_a_kl_lower_bound_can_fail_a_kl_gate_but_never_pass_it(tmp_path):
+    """A served candidate reports only a lower bound of its KL (the server's top-k partition)."""
+    ref, quant = scores(400, 320, 2, 2)
+    above = write_run(tmp_path / "above", slice_items("s", ref, quant), metrics={"s/kl_lower_bound_mean": 0.2})
+    below = write_run(tmp_path / "below", slice_items("s", ref, quant), metrics={"s/kl_lower_bound_mean": 0.01})
+    cfg = GateConfig(token=TokenGateConfig(kl_mean_max=0.1))
+    failed = outcome_of(gate.decide([above], cfg), "s", "kl_mean")
+    assert failed.outcome == "fail" and "lower bound" in failed.message
+    unknown = outcome_of(gate.decide([below], cfg), "s", "kl_mean")
+    assert unknown.outcome == "inconclusive" and "cannot show" in unknown.message

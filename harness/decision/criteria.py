@@ -297,6 +297,19 @@ def token_criteria(run: RunResults, cfg: GateConfig, slices: list[str]) -> list[
                 continue
             value = metrics.get(f"{name}/{metric}")
             relation = "<=" if metric == "kl_mean" else ">="
+            bound = metrics.get(f"{name}/kl_lower_bound_mean") if metric == "kl_mean" else None
+            if value is None and bound is not None:  # a served candidate: the KL on the server's top-k partition
+                # the exact KL is at least the bound: a bound above the limit fails, one below it shows nothing
+                failed = bound > limit
+                out.append(Criterion(
+                    name, metric, FAIL if failed else INCONCLUSIVE,
+                    (f"fail: kl_mean >= {bound:.4g} (a lower bound from the server's top-k log-probs), required <= "
+                     f"{limit:g}") if failed else
+                    (f"inconclusive: only a lower bound of kl_mean is known ({bound:.4g}, from the server's top-k "
+                     f"log-probs); it cannot show kl_mean <= {limit:g}"),
+                    [f"kl_mean lower bound {bound:.4g} not <= {limit:g}" if failed else "kl_mean: lower bound only"],
+                    {"lower_bound": bound, "limit": limit}))
+                continue
             if value is None:
                 out.append(Criterion(name, metric, INCONCLUSIVE, f"inconclusive: no {name}/{metric} in summary.json "
                                      "(the slice scored no divergence texts)", ["no token data"], {"limit": limit}))

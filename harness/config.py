@@ -75,6 +75,9 @@ class CandidateConfig:
     endpoint_api_key_env: Optional[str] = None  # NAME of the environment variable holding the API key, never the key
     endpoint_timeout_s: float = 600.0  # one request; a server silent for longer counts as hung
     endpoint_batch_size: int = 8  # prompts per log-likelihood request
+    # generation requests in flight at once, so that the engine can batch them (1: one at a time, as lm-eval
+    # sends them; more is faster on an engine, and its replies may then depend on how it batched them)
+    endpoint_concurrency: int = 1
     # log-probs asked per position of the divergence texts: KL on the server's top-k partition, a lower bound of the
     # exact KL that tightens as k grows (vLLM returns at most --max-logprobs, 20 by default); 0: no token divergence
     endpoint_divergence_topk: int = 20

@@ -31,6 +31,9 @@ class FakeServer:
         self.vocab_shift, self.api_key, self.die_after, self.hang_s = vocab_shift, api_key, die_after, hang_s
         self.prompt_logprobs, self.max_logprobs = prompt_logprobs, max_logprobs
         self.completions = 0  # completion requests answered
+        self.in_flight = self.max_in_flight = 0  # completion requests being answered at once (and the most seen)
+        self._model_lock = threading.Lock()  # one forward (and one tokenizer call) at a time; requests may overlap
+        self._count_lock = threading.Lock()
         self.prompts = 0  # prompts scored or generated
         self.seen_headers: list[dict[str, str]] = []
         self.httpd = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
@@ -178,11 +181,18 @@ class FakeServer:
                 if server.model is None:
                     self._send(400, {"error": {"message": "no model loaded"}})
                     return
+                with server._count_lock:
+                    server.in_flight += 1
+                    server.max_in_flight = max(server.max_in_flight, server.in_flight)
                 try:
-                    payload = server._complete(body)
+                    with server._model_lock:
+                        payload = server._complete(body)
                 except ValueError as exc:
                     self._send(400, {"error": {"message": str(exc)}})
                     return
+                finally:
+                    with server._count_lock:
+                        server.in_flight -= 1
                 server.completions += 1
                 self._send(200, payload)
 

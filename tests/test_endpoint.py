@@ -179,3 +179,29 @@ def test_a_server_killed_mid_run_is_named_with_its_exit(tmp_path):
     served.process.wait()
     with pytest.raises(EndpointError, match=r"exited with code -9; last log lines: stub server on"):
         client.complete(prompt="x", max_tokens=1)
+
+
+@pytest.mark.slow
+def test_concurrent_generation_requests_give_the_same_records_in_order(tiny):
+    """candidate.endpoint_concurrency > 1: requests overlap at the server, records stay item by item in process's."""
+    loaded, settings, slice_, twin, reference = tiny
+    with FakeServer(loaded.model, loaded.tokenizer, hang_s=0.05) as server:
+        lm = endpoint_lm(EndpointSpec(url=server.url, batch_size=4, concurrency=4), twin)
+        served, _ = evaluate.evaluate_slice(lm, slice_, settings)
+    pd.testing.assert_frame_equal(served[COMPARED], reference[COMPARED])
+    assert server.max_in_flight > 1  # the requests did overlap
+
+
+@pytest.mark.slow
+def test_a_server_that_dies_under_concurrent_requests_keeps_the_answers_before_it(tiny, tmp_path):
+    loaded, settings, slice_, twin, reference = tiny
+    checkpoint = tmp_path / "checkpoint" / slice_.name
+    with FakeServer(loaded.model, loaded.tokenizer, die_after=6) as server:
+        lm = endpoint_lm(EndpointSpec(url=server.url, batch_size=4, concurrency=3), twin)
+        with pytest.raises(EndpointError) as err:
+            evaluate.evaluate_slice(lm, slice_, settings, checkpoint=checkpoint)
+    assert "\n" not in str(err.value) and "the same command resumes" in str(err.value)
+    with FakeServer(loaded.model, loaded.tokenizer) as again:
+        lm = endpoint_lm(EndpointSpec(url=again.url, batch_size=4, concurrency=3), twin)
+        served, _ = evaluate.evaluate_slice(lm, slice_, settings, checkpoint=checkpoint)
+    pd.testing.assert_frame_equal(served[COMPARED], reference[COMPARED])

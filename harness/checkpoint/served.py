@@ -194,7 +194,8 @@ class ServedCandidate:
         """The endpoint's lm-eval model (created once: its tokenizer probe runs once per job)."""
         if self._lm is None:
             spec = EndpointSpec(url=self.url, model=self.cfg.endpoint_model, api_key_env=self.cfg.endpoint_api_key_env,
-                                timeout_s=self.cfg.endpoint_timeout_s, batch_size=self.cfg.endpoint_batch_size)
+                                timeout_s=self.cfg.endpoint_timeout_s, batch_size=self.cfg.endpoint_batch_size,
+                                concurrency=self.cfg.endpoint_concurrency)
             self._lm = endpoint_lm(spec, twin, self.server)
             self.params["candidate.served_model"] = self._lm.client.model
             if self._lm.server_max_len:

@@ -51,9 +51,11 @@ def check_config(cfg: CandidateConfig, scheme_name: str) -> None:
     if cfg.endpoint_divergence_topk < 0:
         raise UsageError(f"candidate.endpoint_divergence_topk={cfg.endpoint_divergence_topk}: give the number of "
                          "log-probs to ask per position (20 is vLLM's default cap), or 0 for no token divergence")
-    if cfg.endpoint_timeout_s <= 0 or cfg.endpoint_batch_size < 1 or cfg.serve_startup_s <= 0:
+    if cfg.endpoint_timeout_s <= 0 or cfg.endpoint_batch_size < 1 or cfg.serve_startup_s <= 0 or \
+            cfg.endpoint_concurrency < 1:
         raise UsageError(f"candidate.endpoint_timeout_s={cfg.endpoint_timeout_s}, endpoint_batch_size="
-                         f"{cfg.endpoint_batch_size}, serve_startup_s={cfg.serve_startup_s}: each must be positive")
+                         f"{cfg.endpoint_batch_size}, endpoint_concurrency={cfg.endpoint_concurrency}, "
+                         f"serve_startup_s={cfg.serve_startup_s}: each must be positive")
 
 
 def served_name(cfg: CandidateConfig) -> str:

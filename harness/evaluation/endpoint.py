@@ -76,6 +76,7 @@ class EndpointSpec:
     api_key_env: str | None = None  # NAME of the environment variable holding the key (never the key)
     timeout_s: float = 600.0  # one request; longer counts as a hung server
     batch_size: int = 8  # prompts per log-likelihood request
+    concurrency: int = 1  # generation requests in flight at once (the engine batches them)
     top_logprobs: int = 1  # k asked for per prompt token (1 decides greedy; vLLM allows up to 20)
 
 
@@ -385,7 +386,7 @@ def _endpoint_lm_class() -> type:
             return [score_rolling(self, string) for (string,) in (request.args for request in requests)]
 
         def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
-            return [generate_one(self, *request.args) for request in requests]
+            return generate_all(self, [request.args for request in requests])
 
     return EndpointLM
 
@@ -458,9 +459,55 @@ def probe_tokenizer(lm: Any) -> None:
                  f"tokenizer probe {_preview(text)!r}")
 
 
+def generate_all(lm: Any, items: list[tuple[str, dict]]) -> list[str]:
+    """Generation items, ``lm.client.spec.concurrency`` requests in flight at once (only the HTTP requests run in
+    threads; prompts are built and replies checked here). Replies are recorded in item order: when a request
+    fails, the items before it are kept (the job resumes from them) and the error is raised."""
+    workers = max(1, int(lm.client.spec.concurrency))
+    if workers == 1 or len(items) < 2:
+        return [generate_one(lm, *item) for item in items]
+    from concurrent.futures import ThreadPoolExecutor
+
+    prepared = [prepare_generation(lm, *item) for item in items]  # refuses a bad item before any request
+    start = time.perf_counter()
+    replies = []
+    try:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="endpoint") as pool:
+            futures = [pool.submit(lm.client.complete, **request.body) for request in prepared]
+            try:
+                for (context, gen_kwargs), request, future in zip(items, prepared, futures):
+                    (choice,) = future.result()
+                    replies.append(record_generation(lm, context, gen_kwargs, *finish_generation(lm, request, choice)))
+            finally:
+                for future in futures:
+                    future.cancel()  # requests not yet sent are not sent after a failure
+    finally:
+        lm.seconds += time.perf_counter() - start  # the wall time, once: the requests overlap
+    return replies
+
+
 def generate_one(lm: Any, context: str, gen_kwargs: dict) -> str:
     """One generation request: the prompt text as lm-eval built it, greedy, cut at the stop strings as HFLM cuts."""
-    from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+    request = prepare_generation(lm, context, gen_kwargs)
+    (choice,) = lm._timed(**request.body)
+    return record_generation(lm, context, gen_kwargs, *finish_generation(lm, request, choice))
+
+
+@dataclass
+class GenerationRequest:
+    """One generation item's completions request and what checking its answer needs."""
+
+    body: dict
+    context: str  # the prompt text as lm-eval built it
+    reference: list[int]  # the prompt's token ids as the reference's wrapper encodes them
+    prompt: Any  # the prompt sent: its text, or its token ids
+    until: list[str]
+    what: str  # the item, for messages
+
+
+def prepare_generation(lm: Any, context: str, gen_kwargs: dict) -> GenerationRequest:
+    """The completions request of one generation item (greedy; a sampling task is refused)."""
+    from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 
     eos = lm.twin.tok_decode(lm.eot_token_id, skip_special_tokens=False)
     kwargs = normalize_gen_kwargs(gen_kwargs, lm.twin.max_gen_toks)
@@ -472,19 +519,35 @@ def generate_one(lm: Any, context: str, gen_kwargs: dict) -> str:
     what = f"generation item {_preview(context)!r}"
     reference, prompt, add_special = reference_prompt(lm, context, lm.max_length - max_gen_toks)
     lm._fits(len(reference) + max_gen_toks, what)
-    (choice,) = lm._timed(prompt=prompt, max_tokens=max_gen_toks, temperature=0, echo=True, logprobs=0,
-                          stop=[s for s in until if s], add_special_tokens=add_special,
-                          return_tokens_as_token_ids=True, skip_special_tokens=True)
-    check_tokens(served_ids(choice, lm.tokenizer, len(reference)), reference, lm.tokenizer, what)
+    body = dict(prompt=prompt, max_tokens=max_gen_toks, temperature=0, echo=True, logprobs=0,
+                stop=[s for s in until if s], add_special_tokens=add_special, return_tokens_as_token_ids=True,
+                skip_special_tokens=True)
+    return GenerationRequest(body, context, reference, prompt, until, what)
+
+
+def finish_generation(lm: Any, request: GenerationRequest, choice: dict) -> tuple[str, int, int]:
+    """(reply, prompt tokens, generated tokens) of one answered request, its prompt tokens checked against the
+    reference's; the reply cut at the stop strings as HFLM cuts it."""
+    from lm_eval.models.utils import postprocess_generated_text
+
+    check_tokens(served_ids(choice, lm.tokenizer, len(request.reference)), request.reference, lm.tokenizer,
+                 request.what)
     text = str(choice.get("text") or "")
-    echoed = context if isinstance(prompt, str) else None
+    echoed = request.context if isinstance(request.prompt, str) else None
     if echoed is not None and not text.startswith(echoed):
-        raise EndpointError(f"{what}: the server's echo does not start with the prompt text; it does not "
+        raise EndpointError(f"{request.what}: the server's echo does not start with the prompt text; it does not "
                             "echo prompts as the OpenAI completions API does")
-    reply = text[len(echoed):] if echoed is not None else _after_tokens(choice, len(reference))
-    reply = postprocess_generated_text(reply, until, None)
-    lm.prompt_tokens += len(reference)
-    lm.generated_tokens += max(0, len((choice.get("logprobs") or {}).get("tokens") or []) - len(reference))
+    reply = text[len(echoed):] if echoed is not None else _after_tokens(choice, len(request.reference))
+    reply = postprocess_generated_text(reply, request.until, None)
+    generated = max(0, len((choice.get("logprobs") or {}).get("tokens") or []) - len(request.reference))
+    return reply, len(request.reference), generated
+
+
+def record_generation(lm: Any, context: str, gen_kwargs: dict, reply: str, prompt_tokens: int,
+                      generated_tokens: int) -> str:
+    """Count one answered generation item and keep its reply (lm-eval's cache: the job's checkpoint)."""
+    lm.prompt_tokens += prompt_tokens
+    lm.generated_tokens += generated_tokens
     lm.cache_hook.add_partial("generate_until", (context, gen_kwargs), reply)
     return reply
 

@@ -172,6 +172,8 @@ def run_key(cfg: RunConfig, model_identity: dict | None = None) -> str:
         data["eval"].pop("max_gen_toks", None)
     if not (cfg.candidate.endpoint or cfg.candidate.serve):  # only a served candidate's token divergence reads it
         data["candidate"].pop("endpoint_divergence_topk", None)
+    if not (cfg.candidate.endpoint or cfg.candidate.serve) or cfg.candidate.endpoint_concurrency == 1:
+        data["candidate"].pop("endpoint_concurrency", None)  # likewise; at 1 the keys stay as they were
     return stable_hash({"config": data, "model": model_identity}, 16)
 
 

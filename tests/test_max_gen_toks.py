@@ -93,7 +93,8 @@ def test_a_capped_run_has_its_own_keys_and_an_uncapped_one_keeps_its_old_ones(ma
     config = identity.config_dict(base)
     for key in ("sequential", "sequential_round_items", "sequential_method", "max_gen_toks"):
         config["eval"].pop(key)
-    config["candidate"].pop("endpoint_divergence_topk")  # read by served candidates only, and keyed only for them
+    for served_only in ("endpoint_divergence_topk", "endpoint_concurrency"):  # keyed only for served candidates
+        config["candidate"].pop(served_only)
     for transient in identity.TRANSIENT_SECTIONS:
         config.pop(transient, None)
     config["slices"] = {name: {k: v for k, v in slice_config.items()  # unset design fields leave keys as they were

@@ -194,7 +194,8 @@ def test_run_key_is_unchanged_by_the_option_off_and_covers_the_stop_rule_on(make
     config = identity.config_dict(base)
     for key in ("sequential", "sequential_round_items", "sequential_method", "max_gen_toks"):  # off: not in the key
         config["eval"].pop(key)
-    config["candidate"].pop("endpoint_divergence_topk")  # read by served candidates only, and keyed only for them
+    for served_only in ("endpoint_divergence_topk", "endpoint_concurrency"):  # keyed only for served candidates
+        config["candidate"].pop(served_only)
     for transient in identity.TRANSIENT_SECTIONS:
         config.pop(transient, None)
     for slice_config in config["slices"].values():  # unset sampling-design fields (issue 37): not in the key either

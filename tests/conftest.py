@@ -56,6 +56,17 @@ LONGEST_FIRST = ("test_endpoint_vllm.py",  # a real vLLM server: 4 jobs, ~14 min
                  "test_background_reference.py", "quant/test_w8a8_bf16.py")  # 37-31
 
 
+def require_venv(python: Path, what: str, script: str) -> None:
+    """Skip a test whose separate venv (``python``) is missing, or fail it when CI demands the system tiers
+    (HARNESS_REQUIRE_SYSTEM_TESTS=1); the message names the script that creates the venv."""
+    if python.exists():
+        return
+    message = f"{what} venv missing ({python}): create it with `bash {script}`"
+    if os.environ.get("HARNESS_REQUIRE_SYSTEM_TESTS") == "1":
+        pytest.fail(message + " (HARNESS_REQUIRE_SYSTEM_TESTS=1)")
+    pytest.skip(message)
+
+
 @pytest.fixture(scope="session")
 def shared_model_cache() -> Path:
     models = USER_CACHE / "models"

@@ -24,6 +24,7 @@ import pytest
 from harness.evaluation import evaluate
 from harness.evaluation.endpoint import Client, EndpointError
 from harness.job import pipeline as run_mod
+from tests.conftest import require_venv
 
 REPO = Path(__file__).resolve().parents[1]
 ENGINE_PYTHON = Path(os.environ.get("HARNESS_ENGINE_VENV", REPO / ".venv-engine")) / "bin" / "python"
@@ -35,12 +36,7 @@ pytestmark = pytest.mark.slow
 
 
 def _engine() -> None:
-    if ENGINE_PYTHON.exists():
-        return
-    message = f"vLLM engine venv missing ({ENGINE_PYTHON}): create it with `bash scripts/engine_venv.sh`"
-    if os.environ.get("HARNESS_REQUIRE_SYSTEM_TESTS") == "1":
-        pytest.fail(message + " (HARNESS_REQUIRE_SYSTEM_TESTS=1)")
-    pytest.skip(message)
+    require_venv(ENGINE_PYTHON, "vLLM engine", "scripts/engine_venv.sh")
 
 
 def vllm_command(model_dir: Path, name: str, max_len: int = 2048) -> str:

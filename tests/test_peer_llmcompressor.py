@@ -31,6 +31,7 @@ from harness import quant
 from harness.models import loading as models
 from harness.config import REPO_DIR, compose
 from harness.quant import formats
+from tests.conftest import require_venv
 
 PEER_PYTHON = Path(os.environ.get("HARNESS_PEER_VENV", REPO_DIR / ".venv-peer")) / "bin" / "python"
 WORKER = REPO_DIR / "benchmarks" / "peer_llmcompressor_worker.py"
@@ -39,13 +40,7 @@ WORKER = REPO_DIR / "benchmarks" / "peer_llmcompressor_worker.py"
 
 @pytest.fixture(autouse=True)
 def _peer_venv() -> None:
-    """Skip without the peer venv, unless CI demands the system tiers (HARNESS_REQUIRE_SYSTEM_TESTS=1)."""
-    if PEER_PYTHON.exists():
-        return
-    message = f"llm-compressor peer venv missing ({PEER_PYTHON}): create it with `bash scripts/peer_venv.sh`"
-    if os.environ.get("HARNESS_REQUIRE_SYSTEM_TESTS") == "1":
-        pytest.fail(message)
-    pytest.skip(message)
+    require_venv(PEER_PYTHON, "llm-compressor peer", "scripts/peer_venv.sh")
 
 
 def grid(w: torch.Tensor, group: int, divisor: float, qmin: int, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,6 +23,7 @@ from harness import quant
 from harness.checkpoint import candidate
 from harness.config import REPO_DIR, QuantConfig, TensorQuantConfig, compose
 from harness.quant.experts import find_fused_experts
+from tests.conftest import require_venv
 from moe_models import build
 
 PEER_PYTHON = Path(os.environ.get("HARNESS_PEER_VENV", REPO_DIR / ".venv-peer")) / "bin" / "python"
@@ -48,12 +49,7 @@ PEER = textwrap.dedent("""
 
 @pytest.fixture(autouse=True)
 def _peer_venv() -> None:
-    if PEER_PYTHON.exists():
-        return
-    message = f"llm-compressor peer venv missing ({PEER_PYTHON}): create it with `bash scripts/peer_venv.sh`"
-    if os.environ.get("HARNESS_REQUIRE_SYSTEM_TESTS") == "1":
-        pytest.fail(message)
-    pytest.skip(message)
+    require_venv(PEER_PYTHON, "llm-compressor peer", "scripts/peer_venv.sh")
 
 
 @pytest.mark.parametrize("model_type,renamed", [("qwen3_moe", False), ("mixtral", True)])

@@ -38,7 +38,7 @@ BYTES_PER_ID = 4  # int32 ids
 def compact(reference: divergence.ReferenceText, k: int) -> divergence.ReferenceText:
     """The top-k + tail reference score_reference(topk=k) would have stored for this text."""
     values, indices = reference.logp.topk(k, dim=-1)
-    return divergence.ReferenceText(reference.input_ids, reference.target_logp, reference.top1, None,
+    return divergence.ReferenceText(reference.input_ids, *reference.targets(), None,
                                     indices.int(), values)
 
 
@@ -53,7 +53,7 @@ def from_hidden_state(model: torch.nn.Module, reference: divergence.ReferenceTex
     hidden = out.hidden_states[-1][0, :-1].to(dtype)  # what would be stored
     head = model.get_output_embeddings()
     logp = torch.log_softmax(head(hidden.to(head.weight.dtype)).float(), dim=-1).cpu()
-    return divergence.ReferenceText(reference.input_ids, reference.target_logp, reference.top1, logp, None, None)
+    return divergence.ReferenceText(reference.input_ids, *reference.targets(), logp, None, None)
 
 
 HIDDEN_VARIANTS = {"hidden_fp32": torch.float32, "hidden_bf16": torch.bfloat16}

@@ -32,6 +32,19 @@ def test_a_split_job_matches_a_serial_one(make_cfg, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_null_scheme_split_is_exactly_its_reference(make_cfg, tmp_path):
+    # The divergence stage runs its forwards with the child's thread count and both heads with all of this
+    # process's threads: the quantized side's states and logits must still equal the reference's bit for bit.
+    run(make_cfg(*TINY, "quant=none", "runtime.threads=2", "runtime.reference_process=true",
+                 f"paths.results_dir={tmp_path}"))
+    tokens = pd.read_parquet(next(tmp_path.glob("*/tokens.parquet")))
+    assert len(tokens) > 100
+    assert (tokens["kl"] == 0).all() and (tokens["kl_reverse"] == 0).all()
+    assert (tokens["nll_ref"] == tokens["nll_quant"]).all()
+    assert (tokens["top1_ref"] == tokens["top1_quant"]).all()
+
+
+@pytest.mark.slow
 def test_a_cached_reference_starts_no_process(make_cfg, tmp_path):
     run(make_cfg(*TINY, "runtime.threads=1"))
     again = run(make_cfg(*TINY, "runtime.threads=2", "runtime.reference_process=true", "quant=int8"))

@@ -32,6 +32,7 @@ both, probability of the actual token under both, the token's position and its `
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Iterator, Literal
 
@@ -80,8 +81,10 @@ class OutputHead(nn.Module):
 @dataclass
 class ReferenceText:
     input_ids: Tensor  # [T] token ids of the text (BOS included when the tokenizer adds it)
-    target_logp: Tensor  # [T-1] log p_ref(actual next token)
-    top1: Tensor  # [T-1]
+    # [T-1] log p_ref(actual next token) and the reference's top-1; None with store=hidden, where they come from
+    # the logits the comparison computes from ``hidden`` anyway (:meth:`targets`, :func:`compare_to_reference`)
+    target_logp: Tensor | None
+    top1: Tensor | None
     logp: Tensor | None  # [T-1, V] full log-distribution (store=logprobs)
     topk_ids: Tensor | None  # [T-1, k] (store=topk)
     topk_logp: Tensor | None  # [T-1, k]
@@ -116,6 +119,16 @@ class ReferenceText:
             return self.head.logits(self.hidden[start:stop]).to(device)
         assert self.logp is not None
         return self.logp[start:stop].to(device)
+
+    def targets(self) -> tuple[Tensor, Tensor]:
+        """(log p_ref(actual next token), the reference's top-1) per position: stored, or computed from the
+        hidden states and the frozen head (:func:`target_statistics`, as the comparison computes them)."""
+        if self.target_logp is None or self.top1 is None:
+            parts = [target_statistics(self.logits(a, b, torch.device("cpu")), self.input_ids[1:][a:b])
+                     for a, b in _chunks(len(self.input_ids) - 1)]
+            self.target_logp = torch.cat([p[0] for p in parts]) if parts else torch.zeros(0)
+            self.top1 = torch.cat([p[1] for p in parts]) if parts else torch.zeros(0, dtype=torch.long)
+        return self.target_logp, self.top1
 
     def prompt_and_reply(self) -> tuple[list[int], list[int]] | None:
         """A served text's (prompt ids, reply ids) as scored; None for a plain text."""
@@ -303,7 +316,9 @@ def score_reference(model: nn.Module, tokenizer: Any, texts: list[str | ServedTe
         targets = ids[1:]
         live_head = OutputHead.of(model)
         target_logp, top1, full, top_ids, top_logp = [], [], [], [], []
-        for a, b in _chunks(len(hidden)):
+        # store=hidden keeps the states only: the comparison computes the reference's logits from them anyway, and
+        # takes log p(target) and the top-1 from there (ReferenceText.targets), so no head runs here
+        for a, b in _chunks(len(hidden)) if store != "hidden" else ():
             logits = live_head.logits(hidden[a:b])  # stays on the head's device: only what is stored moves
             maximum, best = logits.max(-1)  # log p(target) as token_statistics computes log q(target), bit for bit
             shifted = logits.sub_(maximum[:, None])
@@ -318,7 +333,7 @@ def score_reference(model: nn.Module, tokenizer: Any, texts: list[str | ServedTe
                 top_ids.append(indices.int().cpu())
                 top_logp.append((values - log_sum[:, None]).cpu())
         out.append(ReferenceText(
-            ids, torch.cat(target_logp), torch.cat(top1),
+            ids, torch.cat(target_logp) if target_logp else None, torch.cat(top1) if top1 else None,
             torch.cat(full) if full else None,
             torch.cat(top_ids) if top_ids else None, torch.cat(top_logp) if top_logp else None,
             hidden.float().cpu() if store == "hidden" else None, head, prompt_length(text, max_tokens),
@@ -344,7 +359,17 @@ def _kl_pair(ref: ReferenceText, logq: Tensor, start: int = 0) -> tuple[Tensor, 
     return forward.float(), reverse.float()
 
 
-def token_statistics(logits_q: Tensor, logits_p: Tensor, targets: Tensor | None = None) -> dict[str, Tensor]:
+def target_statistics(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """(log p(target), top-1) per row of ``logits``, computed exactly as :func:`token_statistics` computes
+    the quantized side's (bit for bit: identical logits give identical values)."""
+    maximum, top1 = logits.max(-1)
+    shifted = logits - maximum[:, None]
+    target = shifted.gather(-1, targets[:, None].to(shifted.device))[:, 0] - shifted.exp_().sum(-1).log()
+    return target.cpu(), top1.cpu()
+
+
+def token_statistics(logits_q: Tensor, logits_p: Tensor, targets: Tensor | None = None,
+                     reference_targets: bool = False) -> dict[str, Tensor]:
     """Per-token KL(p||q), KL(q||p), log q(target) and q's top-1 from both sides' logits, one pass per side.
 
     ``logits_p`` may be the reference's logits or any per-row shift of them (its log-probs). With m
@@ -355,18 +380,30 @@ def token_statistics(logits_q: Tensor, logits_p: Tensor, targets: Tensor | None 
     agree, so no two large log-normalisers cancel (closer to a float64 computation than that form,
     benchmarks/bench_divergence.py). Top-1 is the maximum's index; identical logits give exactly 0.
     ``logits_q`` and ``logits_p`` are float32 and are not modified.
+
+    ``reference_targets``: also ``logp_target`` and ``top1_ref``, the same two for ``logits_p`` (which must
+    then be the reference's logits or log-probs: the shift cancels), from the same passes.
     """
     m_q, top1 = logits_q.max(-1)
-    m_p = logits_p.amax(-1)
+    if reference_targets:
+        m_p, top1_p = logits_p.max(-1)
+    else:
+        m_p = logits_p.amax(-1)
     shifted_q = logits_q - m_q[:, None]
     shifted_p = logits_p - m_p[:, None]
     d = shifted_p - shifted_q
     out = {"top1_quant": top1}
     target_shifted = None if targets is None else shifted_q.gather(-1, targets[:, None].to(logits_q.device))[:, 0]
+    if reference_targets:
+        assert targets is not None, "reference_targets needs the targets"
+        target_shifted_p = shifted_p.gather(-1, targets[:, None].to(logits_p.device))[:, 0]
+        out["top1_ref"] = top1_p
     e_q, e_p = shifted_q.exp_(), shifted_p.exp_()
     s_q, s_p = e_q.sum(-1), e_p.sum(-1)
-    log_s_q = s_q.log()
-    c = s_p.log() - log_s_q
+    log_s_q, log_s_p = s_q.log(), s_p.log()
+    c = log_s_p - log_s_q
+    if reference_targets:
+        out["logp_target"] = target_shifted_p - log_s_p
     out["kl"] = torch.linalg.vecdot(e_p, d) / s_p - c
     out["kl_reverse"] = c - torch.linalg.vecdot(e_q, d) / s_q
     if target_shifted is not None:
@@ -374,14 +411,31 @@ def token_statistics(logits_q: Tensor, logits_p: Tensor, targets: Tensor | None 
     return out
 
 
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """Run the block with ``threads`` torch threads (None: as it is), then restore the count."""
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @torch.no_grad()
 def compare_to_reference(model: nn.Module, reference: list[ReferenceText], slice_name: str,
-                         captured: Any = None) -> pd.DataFrame:
+                         captured: Any = None, forward_threads: int | None = None) -> pd.DataFrame:
     """One row per scored token: the columns of ``TOKEN_COLUMNS``.
 
     ``captured``: the quantized model's states from answering the items (:func:`captured_hidden`);
     a served text they cover is not run again, where the reference's states were captured too
     (:attr:`ReferenceText.captured`: both sides then compute alike).
+
+    ``forward_threads``: the torch threads of the model's forwards here (texts run again), the count the
+    reference's states were computed with, since a CPU matmul's sums depend on it (a null scheme then gives
+    exactly the reference's states). Both output heads and the statistics run with the caller's threads:
+    both sides' logits are computed here, with one count, so a null scheme's KL is exactly 0 at any count.
     """
     frames = []
     captured = _capture_usable(captured, model)
@@ -390,18 +444,24 @@ def compare_to_reference(model: nn.Module, reference: list[ReferenceText], slice
     for index, ref in enumerate(reference):
         if ref.head is not None:
             ref.head.to(device)  # the frozen reference head computes where the quantized one does
-        with router.capturing(model) as routing:
+        with router.capturing(model) as routing, torch_threads(forward_threads):
             hidden, _ = captured_hidden(captured if getattr(ref, "captured", False) else None, model, ref.input_ids,
                                         ref.prompt_tokens)
         router.record_slice(model, slice_name, getattr(ref, "routing", None), routing)  # MoE router agreement
         targets = ref.input_ids[1:]
-        parts: dict[str, list[Tensor]] = {"target": [], "kl": [], "kl_reverse": [], "top1": []}
+        parts: dict[str, list[Tensor]] = {"target": [], "kl": [], "kl_reverse": [], "top1": [], "target_ref": [],
+                                          "top1_ref": []}
+        missing = ref.target_logp is None  # store=hidden: the reference's come from the logits computed here
         for a, b in _chunks(len(hidden)):
             logits_q = head.logits(hidden[a:b])
             if ref.topk_ids is None:
-                stats = token_statistics(logits_q, ref.logits(a, b, logits_q.device), targets[a:b])
+                stats = token_statistics(logits_q, ref.logits(a, b, logits_q.device), targets[a:b],
+                                         reference_targets=missing)
                 kl, kl_reverse = stats["kl"], stats["kl_reverse"]
                 target, top1 = stats["logq_target"], stats["top1_quant"]
+                if missing:
+                    parts["target_ref"].append(stats["logp_target"].cpu())
+                    parts["top1_ref"].append(stats["top1_ref"].cpu())
             else:  # the lumped top-k KL; NLL and top-1 computed as token_statistics does (bit for bit)
                 logq = torch.log_softmax(logits_q, dim=-1)
                 kl, kl_reverse = _kl_pair(ref, logq, a)
@@ -413,17 +473,20 @@ def compare_to_reference(model: nn.Module, reference: list[ReferenceText], slice
             parts["kl_reverse"].append(kl_reverse.cpu())
             parts["top1"].append(top1.cpu())
         target_logq = torch.cat(parts["target"]).double()
+        if missing and parts["target_ref"]:
+            ref.target_logp, ref.top1 = torch.cat(parts["target_ref"]), torch.cat(parts["top1_ref"])
+        target_logp, top1_ref = ref.targets()
         frames.append(pd.DataFrame({
             "slice": slice_name,
             "text": index,
             "position": torch.arange(1, len(ref.input_ids)).numpy(),
-            "nll_ref": (-ref.target_logp).double().numpy(),
+            "nll_ref": (-target_logp).double().numpy(),
             "nll_quant": (-target_logq).numpy(),
             "kl": torch.cat(parts["kl"]).clamp(min=0).double().numpy(),
             "kl_reverse": torch.cat(parts["kl_reverse"]).clamp(min=0).double().numpy(),
-            "top1_ref": ref.top1.numpy(),
+            "top1_ref": top1_ref.numpy(),
             "top1_quant": torch.cat(parts["top1"]).numpy(),
-            "p_ref": ref.target_logp.double().exp().numpy(),
+            "p_ref": target_logp.double().exp().numpy(),
             "p_quant": target_logq.exp().numpy(),
             "kind": ref.kinds(),
         }))

@@ -147,17 +147,18 @@ def served_rows(ref: ReferenceText, served: ServedLogprobs, slice_name: str, tex
         forward.append(kl)
         reverse.append(kl_reverse)
     target = np.minimum(served.target_logprobs.astype(np.float64), 0.0)  # a rounded log-prob may come out > 0
+    target_ref, top1_ref = ref.targets()
     frame = pd.DataFrame({
         "slice": slice_name,
         "text": text_index,
         "position": np.arange(1, n + 1),
-        "nll_ref": (-ref.target_logp).double().numpy(),
+        "nll_ref": (-target_ref).double().numpy(),
         "nll_quant": -target,
         "kl": torch.cat(forward).numpy() if n else np.zeros(0),
         "kl_reverse": torch.cat(reverse).numpy() if n else np.zeros(0),
-        "top1_ref": ref.top1.numpy(),
+        "top1_ref": top1_ref.numpy(),
         "top1_quant": _top1(served),
-        "p_ref": ref.target_logp.double().exp().numpy(),
+        "p_ref": target_ref.double().exp().numpy(),
         "p_quant": np.exp(target),
         "kind": ref.kinds(),
         "kl_bound": KL_BOUND,

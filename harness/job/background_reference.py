@@ -236,13 +236,20 @@ def collect(background: Background | None, meter: stage_meter.StageMeter) -> dic
             "reference_process_rss_peak_gb": report.get("rss_peak_gb"), "reference_process_ended": background.ended}
 
 
+def forward_threads(background: Background | None) -> int | None:
+    """The torch threads of the candidate's forwards in the divergence stage: the child's, whose sums
+    the reference's states carry (:func:`harness.divergence.scoring.compare_to_reference`); None: all."""
+    return None if background is None else background.threads[1]
+
+
 @contextlib.contextmanager
 def scoring_threads(background: Background | None, threads: int) -> Iterator[None]:
-    """The child's thread count while the candidate is scored against what the child computed.
+    """The child's thread count while a reference is computed here after all (the child died or gave up).
 
-    CPU matmuls sum in an order that depends on the thread count, so the divergence stage uses
-    the threads the reference was scored with: a null scheme then gives a KL of exactly 0, as in
-    a job that computed its reference itself. All threads again afterwards.
+    CPU matmuls sum in an order that depends on the thread count, so a reference computed here uses
+    the threads the other references were computed with, and the divergence stage's forwards use them
+    too (:func:`forward_threads`): a null scheme then gives a KL of exactly 0, as in a job that
+    computed its reference itself. All threads again afterwards.
     """
     import torch
 

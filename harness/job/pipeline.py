@@ -210,14 +210,15 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
         with job.timings.stage("evaluate"):
             evaluated = evaluate_stage(judged.loaded, job, ready)
         references, deferred = gather_references(job, {**ready, **evaluated.waited}, background)
-        with job.timings.stage("divergence"), background_reference.scoring_threads(background,
-                                                                                   job.runtime["threads"]):
+        with job.timings.stage("divergence"):
             # a served candidate: the server's top-k log-probs of the same texts (KL as a lower bound)
             tokens = job.served.divergence({s.name: references[s.name].texts for s in job.checked.slices}) \
                 if job.served else \
-                pd.concat([divergence.compare_to_reference(judged.loaded.model, references[s.name].texts, s.name,
-                                                                captured=evaluated.captured.pop(s.name, None))
-                                for s in job.checked.slices], ignore_index=True)
+                pd.concat([divergence.compare_to_reference(
+                    judged.loaded.model, references[s.name].texts, s.name,
+                    captured=evaluated.captured.pop(s.name, None),
+                    forward_threads=background_reference.forward_threads(background))
+                    for s in job.checked.slices], ignore_index=True)
     finally:
         if job.served is not None:  # a server the harness started stops here (after divergence), also on a failure
             job.served.stop()

@@ -172,6 +172,23 @@ def test_cli_exit_codes_and_junit_xml(tmp_path, capsys):
     assert saved["outcome"] == "pass" and saved["runs"][0]["slices"] == {"s": "pass"}
 
 
+def test_a_verdict_on_simulated_activations_says_what_it_leaves_out(tmp_path, capsys):
+    items = slice_items("s", *scores(400, 320, 2, 2))
+    plain = write_run(tmp_path / "w4", items)
+    w8a8 = write_run(tmp_path / "fp8", items, scheme="fp8")
+    summary = json.loads((w8a8 / "summary.json").read_text())
+    summary["simulated_activations"] = "fp8_e4m3, per token, dynamic scales"
+    (w8a8 / "summary.json").write_text(json.dumps(summary))
+    assert gate.main([str(plain)]) == 0 and "note:" not in capsys.readouterr().out
+    assert gate.main([str(w8a8)]) == 0  # the verdict stands; the note travels with it
+    out = capsys.readouterr().out
+    assert "note: fp8: activations quantized in simulation (fp8_e4m3, per token, dynamic scales)" in out
+    assert "python -m harness.parity model=m quant=fp8" in out
+    (note,) = json.loads((w8a8 / "gate.json").read_text())["runs"][0]["notes"]
+    assert "serving engine" in note
+    assert json.loads((plain / "gate.json").read_text())["runs"][0]["notes"] == []
+
+
 def test_sweep_directory_gates_every_run_and_takes_the_worst(tmp_path):
     sweep = tmp_path / "results"
     write_run(sweep / "a", slice_items("s", *scores(400, 320, 2, 2)), scheme="int8", sweep="night1")

@@ -15,6 +15,7 @@ from harness import stats
 from harness.config import GateConfig, TokenGateConfig
 from harness.decision.gate_inputs import GateInputError, RunResults
 from harness.evaluation import sequential
+from harness.results.report import simulation_lines
 from harness.stats.score import restricted_loss
 
 PASS, FAIL, INCONCLUSIVE = "pass", "fail", "inconclusive"
@@ -45,6 +46,7 @@ class RunDecision:
     model: str
     scheme: str
     criteria: list[Criterion]
+    notes: list[str] = field(default_factory=list)  # what the verdict leaves out (simulated activations)
 
     @property
     def outcome(self) -> str:
@@ -71,7 +73,7 @@ class GateDecision:
     def to_dict(self) -> dict[str, Any]:
         return {"outcome": self.outcome, "exit_code": self.exit_code, "config": self.config,
                 "runs": [{"run_name": r.run_name, "directory": r.directory, "model": r.model, "scheme": r.scheme,
-                          "outcome": r.outcome, "slices": r.slice_outcomes(),
+                          "outcome": r.outcome, "slices": r.slice_outcomes(), "notes": r.notes,
                           "criteria": [asdict(c) for c in r.criteria]} for r in self.runs]}
 
 
@@ -329,5 +331,6 @@ def decide_run(run: RunResults, cfg: GateConfig) -> RunDecision:
     tokens = token_criteria(run, cfg, slices)
     order = {s: i for i, s in enumerate(slices)}
     criteria = sorted(accuracy + tokens, key=lambda c: order[c.slice])
+    notes = [f"{run.summary.get('scheme', '')}: {line}" for line in simulation_lines(run.summary)]
     return RunDecision(str(run.summary.get("run_name", run.directory.name)), str(run.directory),
-                       str(run.summary.get("model", "")), str(run.summary.get("scheme", "")), criteria)
+                       str(run.summary.get("model", "")), str(run.summary.get("scheme", "")), criteria, notes)

@@ -120,7 +120,8 @@ def gate_results(results_dir: str | Path, gate_cfg: GateConfig) -> GateDecision:
     """The pipeline's call at the end of a job: gate this run, write gate.json/gate.xml beside its results."""
     decision = decide([Path(results_dir)], gate_cfg)
     write(decision, Path(results_dir))
-    log.info("gate: %s\n%s", decision.outcome, table(decision).to_string(index=False))
+    log.info("gate: %s\n%s%s", decision.outcome, table(decision).to_string(index=False),
+             "".join(f"\nnote: {note}" for run in decision.runs for note in run.notes))
     return decision
 
 
@@ -153,6 +154,8 @@ def _body(parsed: cli.Parsed[GateOptions]) -> int:
     json_path, xml_path = write(decision, out)
     shown = table(decision)
     print(shown.to_markdown(index=False) if len(shown) else "(no slices gated)")
+    for note in (note for run in decision.runs for note in run.notes):
+        print(f"\nnote: {note}")
     print(f"\ngate: {decision.outcome} (exit {decision.exit_code}); wrote {json_path} and {xml_path}")
     return decision.exit_code
 

@@ -489,7 +489,19 @@ def summary_record(cfg: RunConfig, key: str, comparison: summary.Comparison, qua
         "checkpoint": {"restored_requests": evaluated.restored, "requests": evaluated.requests,
                        "reference_restored_requests": {n: r.restored_requests for n, r in references.items()}},
         **({"max_gen_toks": cfg.eval.max_gen_toks} if cfg.eval.max_gen_toks is not None else {}),
+        **simulated_activations(cfg),
     }
+
+
+def simulated_activations(cfg: RunConfig) -> dict[str, Any]:
+    """``{"simulated_activations": "<format>, <granularity>[, dynamic]"}`` when this run's own simulation
+    quantizes activations (a W8A8 or W4A4 scheme evaluated in PyTorch, not an export or a server): an engine's
+    kernels quantize them otherwise, and its replies can differ (:func:`harness.results.report.simulation_lines`)."""
+    acts = cfg.quant.activations
+    if acts is None or cfg.candidate.path or cfg.candidate.endpoint or cfg.candidate.serve:
+        return {}
+    return {"simulated_activations": f"{acts.format}, per {acts.granularity}, "
+                                     f"{'dynamic' if acts.dynamic else 'static (calibrated)'} scales"}
 
 
 def load_candidate(reference: models.LoadedModel,

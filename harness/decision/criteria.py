@@ -70,6 +70,11 @@ class GateDecision:
     def exit_code(self) -> int:
         return EXIT_CODES[self.outcome]
 
+    @property
+    def notes(self) -> list[str]:
+        """Every run's notes: what its verdict leaves out."""
+        return [note for run in self.runs for note in run.notes]
+
     def to_dict(self) -> dict[str, Any]:
         return {"outcome": self.outcome, "exit_code": self.exit_code, "config": self.config,
                 "runs": [{"run_name": r.run_name, "directory": r.directory, "model": r.model, "scheme": r.scheme,

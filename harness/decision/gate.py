@@ -121,7 +121,7 @@ def gate_results(results_dir: str | Path, gate_cfg: GateConfig) -> GateDecision:
     decision = decide([Path(results_dir)], gate_cfg)
     write(decision, Path(results_dir))
     log.info("gate: %s\n%s%s", decision.outcome, table(decision).to_string(index=False),
-             "".join(f"\nnote: {note}" for run in decision.runs for note in run.notes))
+             "".join(f"\nnote: {note}" for note in decision.notes))
     return decision
 
 
@@ -154,7 +154,7 @@ def _body(parsed: cli.Parsed[GateOptions]) -> int:
     json_path, xml_path = write(decision, out)
     shown = table(decision)
     print(shown.to_markdown(index=False) if len(shown) else "(no slices gated)")
-    for note in (note for run in decision.runs for note in run.notes):
+    for note in decision.notes:
         print(f"\nnote: {note}")
     print(f"\ngate: {decision.outcome} (exit {decision.exit_code}); wrote {json_path} and {xml_path}")
     return decision.exit_code

@@ -465,9 +465,7 @@ def compare_to_reference(model: nn.Module, reference: list[ReferenceText], slice
             else:  # the lumped top-k KL; NLL and top-1 computed as token_statistics does (bit for bit)
                 logq = torch.log_softmax(logits_q, dim=-1)
                 kl, kl_reverse = _kl_pair(ref, logq, a)
-                maximum, top1 = logits_q.max(-1)
-                shifted = logits_q - maximum[:, None]
-                target = shifted.gather(-1, targets[a:b, None].to(shifted.device))[:, 0] - shifted.exp_().sum(-1).log()
+                target, top1 = target_statistics(logits_q, targets[a:b])
             parts["target"].append(target.cpu())
             parts["kl"].append(kl.cpu())
             parts["kl_reverse"].append(kl_reverse.cpu())

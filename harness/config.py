@@ -336,6 +336,10 @@ class RuntimeConfig:
     # seconds without progress (no forward of its model) after which that second process is reported
     # as stalled, killed and replaced by this job computing its references; longer than any one step
     reference_stall_s: float = 600.0
+    # GiB of prompt KV caches held (on the CPU) for a slice answered before its reference is read, so the
+    # reference's replies are teacher-forced from them later instead of each text being run again from its
+    # first token (SmolLM2 fp32: 46 kB per prompt token; an 8B model in bf16: 128 kB). 0: run them again.
+    held_kv_gb: float = 4.0
 
 
 @dataclass

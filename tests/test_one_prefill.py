@@ -21,6 +21,7 @@ from harness.divergence.scoring import (ServedText, compare_to_reference, final_
                                         token_statistics)
 from harness.divergence.capture import CapturedPrompt, HiddenCapture
 from harness.evaluation.generation import greedy_generate
+from harness.job.reference import teacher_force_held
 from tests.conftest import perturbed_llama_pair
 
 VOCAB = 96
@@ -128,6 +129,63 @@ def test_a_prompt_not_answered_is_run_as_before(pair, answered):
     assert ref_capture.states(unknown.prompt_ids, unknown.reply_ids) is None
     one = _one_prefill(pair, [*texts, unknown], ref_capture, quant_capture)
     assert _close(one, _two_pass(pair, [*texts, unknown]))
+
+
+def _counting(model, into: list[int]):
+    return model.get_decoder().register_forward_pre_hook(lambda _m, args, kwargs: into.append(
+        int((kwargs.get("input_ids") if args == () else args[0]).numel())), with_kwargs=True)
+
+
+def test_replies_known_later_are_teacher_forced_from_held_prompt_caches(pair, answered):
+    """A slice answered before its reference exists: each batch's prompt KV cache is held, and the reference's
+    replies are teacher-forced from it once read; no prompt is run again, the numbers equal the two-pass ones."""
+    texts, ref_capture, _, replies, _ = answered
+    reference, quantized = pair
+    eos = {_answer(reference, None)[PROMPTS[0]][2]}  # as the fixture answered
+    held = HiddenCapture(hold_bytes=2**30)
+    own = _answer(quantized, held, eos=eos)  # no teacher: the replies are not known yet
+    assert own == _answer(quantized, None, eos=eos)  # holding changes no answer
+    assert len(held.held) == len(BATCHES) and held.held_size > 0 and held.not_held == 0
+    scored = score_reference(reference, None, texts, max_tokens=64, store="hidden", captured=ref_capture)
+    assert all(t.captured for t in scored)
+    runs: list[int] = []
+    hook = _counting(quantized, runs)
+    try:
+        teacher_force_held(quantized, held, scored)
+        one = compare_to_reference(quantized, scored, "s", captured=held)
+    finally:
+        hook.remove()
+    assert not held.held and held.held_size == 0
+    # per batch, one forward of the replies its own decode did not give (right-padded), nothing else
+    expected = []
+    for batch in BATCHES:
+        wanted = [len(replies[p]) - 1 for p in batch
+                  if own[p][:len(replies[p])] != replies[p] and len(replies[p]) >= 2]
+        if wanted:
+            expected.append(len(wanted) * max(wanted))
+    assert runs == expected and expected
+    assert _close(one, _two_pass(pair, texts))
+
+
+def test_caches_beyond_the_budget_are_not_held_and_their_texts_run_again(pair, answered):
+    texts, ref_capture, _, _, _ = answered
+    reference, quantized = pair
+    eos = {_answer(reference, None)[PROMPTS[0]][2]}
+    held = HiddenCapture(hold_bytes=1)
+    _answer(quantized, held, eos=eos)
+    assert held.held == [] and held.not_held == len(BATCHES)
+    scored = score_reference(reference, None, texts, max_tokens=64, store="hidden", captured=ref_capture)
+    runs: list[int] = []
+    hook = _counting(quantized, runs)
+    try:
+        teacher_force_held(quantized, held, scored)
+        one = compare_to_reference(quantized, scored, "s", captured=held)
+    finally:
+        hook.remove()
+    # the texts whose reply the model's own decode did not give are run whole; the others are not
+    assert sum(runs) == sum(len(t.prompt_ids) + len(t.reply_ids) for t in texts
+                            if held.states(t.prompt_ids, t.reply_ids) is None) > 0
+    assert _close(one, _two_pass(pair, texts))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

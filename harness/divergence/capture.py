@@ -12,13 +12,19 @@ assembles a served text's states from them, so neither model runs a prompt a sec
 whose states are not all known (a prompt read back from lm-eval's request checkpoint, one
 truncated differently, a reply re-tokenized differently) is run again as before.
 
+A slice the quantized side answers before its reference exists has no reply to teacher-force yet.
+With ``hold_bytes`` > 0 each batch's prompt KV cache is then held (on the CPU, up to that many bytes
+in all) and the replies are teacher-forced from it once the reference is read
+(:func:`harness.evaluation.generation.teacher_force_held`): the prompt is still run once. A batch
+whose cache does not fit is counted in ``not_held`` and its texts are run again.
+
 States are kept on the CPU in the model's dtype: ``hidden_size`` values per prompt token (SmolLM2:
 576 floats, 2.3 kB; the default job's ~65k prompt tokens: ~150 MB per model).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
@@ -41,8 +47,19 @@ class HiddenCapture:
     The first answer of a prompt is kept (a prompt answered twice has the same states).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, hold_bytes: int = 0) -> None:
         self.prompts: dict[tuple[int, ...], CapturedPrompt] = {}
+        self.hold_bytes = hold_bytes  # prompt KV caches held for replies known later, at most (0: none)
+        self.held: list[Any] = []  # harness.evaluation.generation.HeldPrefill, in the order of the batches
+        self.held_size = 0  # bytes held now
+        self.not_held = 0  # batches whose cache did not fit (their texts are run again)
+
+    def room_for(self, size: int) -> bool:
+        """Whether a cache of ``size`` bytes may be held; counts it in ``not_held`` when not."""
+        if self.held_size + size <= self.hold_bytes:
+            return True
+        self.not_held += 1
+        return False
 
     def __len__(self) -> int:
         return len(self.prompts)

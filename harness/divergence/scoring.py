@@ -33,6 +33,7 @@ both, probability of the actual token under both, the token's position and its `
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Any, Iterator, Literal
 
@@ -48,6 +49,7 @@ TOKEN_COLUMNS = ["slice", "text", "position", "nll_ref", "nll_quant", "kl", "kl_
                  "top1_ref", "top1_quant", "p_ref", "p_quant", "kind"]
 PLAIN, PROMPT, REPLY = "plain", "prompt", "reply"  # the token kinds (module docstring)
 Store = Literal["hidden", "logprobs", "topk"]
+log = logging.getLogger("harness")
 CHUNK = 512  # tokens whose [chunk, vocab] logits are materialised at once
 
 
@@ -441,12 +443,17 @@ def compare_to_reference(model: nn.Module, reference: list[ReferenceText], slice
     captured = _capture_usable(captured, model)
     head = OutputHead.of(model)
     device = module_device(head.lm_head)  # a split model's head may live on another device than its input
+    again = {"reference": [0, 0], "here": [0, 0]}  # texts run again (count, tokens): the reference's states
+    # were not captured (so neither side's are used), or this model's were not
     for index, ref in enumerate(reference):
         if ref.head is not None:
             ref.head.to(device)  # the frozen reference head computes where the quantized one does
         with router.capturing(model) as routing, torch_threads(forward_threads):
-            hidden, _ = captured_hidden(captured if getattr(ref, "captured", False) else None, model, ref.input_ids,
+            hidden, from_capture = captured_hidden(captured if getattr(ref, "captured", False) else None, model, ref.input_ids,
                                         ref.prompt_tokens)
+        if not from_capture:
+            why = again["here" if getattr(ref, "captured", False) else "reference"]
+            why[0], why[1] = why[0] + 1, why[1] + len(ref.input_ids)
         router.record_slice(model, slice_name, getattr(ref, "routing", None), routing)  # MoE router agreement
         targets = ref.input_ids[1:]
         parts: dict[str, list[Tensor]] = {"target": [], "kl": [], "kl_reverse": [], "top1": [], "target_ref": [],
@@ -488,4 +495,8 @@ def compare_to_reference(model: nn.Module, reference: list[ReferenceText], slice
             "p_quant": target_logq.exp().numpy(),
             "kind": ref.kinds(),
         }))
+    if any(count for count, _ in again.values()):
+        log.info("divergence of slice %s: %d of %d texts run again (%d tokens; %d without the reference's captured "
+                 "states, %d without this model's)", slice_name, again["reference"][0] + again["here"][0],
+                 len(reference), again["reference"][1] + again["here"][1], again["reference"][0], again["here"][0])
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=TOKEN_COLUMNS)

@@ -30,10 +30,11 @@ itself is computed exactly as without them (one prefill per prompt per model).
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
-import copy
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -150,11 +151,13 @@ def _record_prefill(capture: HiddenCapture, input_ids: Tensor, mask: Tensor, hid
 
 
 def _teacher_force(model: nn.Module, cache: Any, cache_kw: str, prefill_kw: dict, input_ids: Tensor, mask: Tensor,
-                   positions: Tensor, entries: list[Any], teacher: Teacher, seen: list[Tensor]) -> None:
+                   positions: Tensor, entries: list[Any], teacher: Teacher, seen: list[Tensor],
+                   keep_cache: bool = True) -> None:
     """Run each row's teacher reply (of >= 2 tokens) after its prompt, from a copy of the batch's KV cache.
 
     The reply's tokens but the last (which predicts nothing) run right-padded and masked; their
-    states become the entry's continuation for that reply. The batch's own cache is left untouched.
+    states become the entry's continuation for that reply. The batch's own cache is left untouched
+    (``keep_cache=False``: a held cache, used up here).
     """
     wanted = []
     for row, entry in enumerate(entries):
@@ -166,7 +169,7 @@ def _teacher_force(model: nn.Module, cache: Any, cache_kw: str, prefill_kw: dict
         return
     device = input_ids.device
     index = torch.tensor([row for row, _ in wanted], device=device)
-    forced = copy.deepcopy(cache)
+    forced = copy.deepcopy(cache) if keep_cache else cache
     forced.batch_select_indices(index.cpu())
     width = max(len(reply) - 1 for _, reply in wanted)
     ids = torch.zeros((len(wanted), width), dtype=input_ids.dtype, device=device)
@@ -182,6 +185,73 @@ def _teacher_force(model: nn.Module, cache: Any, cache_kw: str, prefill_kw: dict
         entries[row].continuations[reply] = hidden[i, :len(reply) - 1]
 
 
+@dataclass
+class HeldPrefill:
+    """A batch's prompt KV cache right after its prefill, held on the CPU until the replies to teacher-force
+    after it are known (:func:`teacher_force_held`), with what :func:`_teacher_force` needs of the batch."""
+
+    cache: Any
+    devices: list[torch.device]  # each cache layer's device when it was held (a split model's differ)
+    device: torch.device  # the input ids' device
+    input_ids: Tensor
+    mask: Tensor
+    positions: Tensor
+    entries: list[Any]  # the rows' capture entries (None: a prompt already kept from an earlier batch)
+    size: int  # bytes of the cache
+
+
+def _layers(cache: Any) -> list[Any] | None:
+    """The cache's layers when each holds key and value tensors (transformers' DynamicCache); else None."""
+    layers = getattr(cache, "layers", None)
+    if not layers or not all(isinstance(getattr(layer, "keys", None), Tensor) and
+                             isinstance(getattr(layer, "values", None), Tensor) for layer in layers):
+        return None
+    return list(layers)
+
+
+def _hold(capture: HiddenCapture, cache: Any, input_ids: Tensor, mask: Tensor, positions: Tensor,
+          entries: list[Any]) -> None:
+    """Keep a copy of the batch's prompt KV cache on the CPU for :func:`teacher_force_held`, if it fits the
+    capture's ``hold_bytes``; the batch's own cache (still decoding) is left untouched."""
+    layers = _layers(cache)
+    if layers is None or not any(entry is not None for entry in entries):
+        return
+    size = sum(t.numel() * t.element_size() for layer in layers for t in (layer.keys, layer.values))
+    if not capture.room_for(size):
+        return
+    held = copy.copy(cache)
+    held.layers = []
+    for layer in layers:
+        copied = copy.copy(layer)
+        copied.keys, copied.values = layer.keys.to("cpu", copy=True), layer.values.to("cpu", copy=True)
+        held.layers.append(copied)
+    capture.held.append(HeldPrefill(held, [layer.keys.device for layer in layers], input_ids.device, input_ids.cpu(),
+                                    mask.cpu(), positions.cpu(), entries, size))
+    capture.held_size += size
+
+
+@torch.inference_mode()
+def teacher_force_held(model: nn.Module, capture: HiddenCapture | None, teacher: Teacher) -> None:
+    """Teacher-force the replies known now after the prompts whose KV caches ``capture`` holds (:func:`_hold`),
+    as :func:`greedy_generate` does right after a prefill when the replies are known then; frees the caches."""
+    if capture is None or not capture.held:
+        return
+    seen: list[Tensor] = []
+    hook = _capturing(model, seen)
+    cache_kw, prefill_kw = _forward_kwargs(model)
+    try:
+        while capture.held:
+            held = capture.held.pop(0)
+            capture.held_size -= held.size
+            for layer, device in zip(held.cache.layers, held.devices):
+                layer.keys, layer.values = layer.keys.to(device), layer.values.to(device)
+            _teacher_force(model, held.cache, cache_kw, prefill_kw, held.input_ids.to(held.device),
+                           held.mask.to(held.device), held.positions.to(held.device), held.entries, teacher, seen,
+                           keep_cache=False)
+    finally:
+        hook.remove()
+
+
 @torch.inference_mode()
 def greedy_generate(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *, max_new_tokens: int,
                     pad_token_id: int, stop: Sequence[str] = (), decode: Callable[[list[int]], str] | None = None,
@@ -193,7 +263,8 @@ def greedy_generate(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
     reply's token ids into text; needed when ``stop`` is given). ``eos_token_ids``: tokens that
     end a row (default: the model's generation config). ``capture``: keeps each prompt's prefill
     and decode states, and with ``teacher`` (prompt ids -> a reply) that reply's teacher-forced
-    states (module docstring).
+    states (module docstring); without ``teacher``, each batch's prompt KV cache is held for
+    :func:`teacher_force_held` within the capture's ``hold_bytes``.
     """
     if capture is None:
         return _greedy(model, input_ids, attention_mask, max_new_tokens, pad_token_id, stop, decode, eos_token_ids,
@@ -227,6 +298,8 @@ def _greedy(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, max_new
     entries = _record_prefill(capture, input_ids, mask, seen.pop()) if capture is not None else []
     if teacher is not None and any(entry is not None for entry in entries):
         _teacher_force(model, cache, cache_kw, prefill_kw, input_ids, mask, positions, entries, teacher, seen)
+    elif capture is not None and teacher is None and capture.hold_bytes:  # the replies are not known yet
+        _hold(capture, cache, input_ids, mask, positions, entries)
     rows = torch.arange(batch, device=input_ids.device)  # the original row of each active row
     replies: list[list[int]] = [[] for _ in range(batch)]
     stopped = _stop_check(stop, decode) if stop else None

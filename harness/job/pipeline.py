@@ -58,6 +58,7 @@ from harness.job.reference import (
     deferred_references,
     reference_unless_busy,
     share_heads,
+    teacher_force_held,
     teacher_replies,
 )
 from harness.models import loading as models
@@ -214,11 +215,10 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
             # a served candidate: the server's top-k log-probs of the same texts (KL as a lower bound)
             tokens = job.served.divergence({s.name: references[s.name].texts for s in job.checked.slices}) \
                 if job.served else \
-                pd.concat([divergence.compare_to_reference(
-                    judged.loaded.model, references[s.name].texts, s.name,
-                    captured=evaluated.captured.pop(s.name, None),
-                    forward_threads=background_reference.forward_threads(background))
-                    for s in job.checked.slices], ignore_index=True)
+                pd.concat([compare_slice(judged.loaded.model, references[s.name].texts, s.name,
+                                         evaluated.captured.pop(s.name, None),
+                                         background_reference.forward_threads(background))
+                           for s in job.checked.slices], ignore_index=True)
     finally:
         if job.served is not None:  # a server the harness started stops here (after divergence), also on a failure
             job.served.stop()
@@ -235,6 +235,16 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     log.info("results: %s (torch threads: %d, from %s)", job.results_dir, job.runtime["threads"],
              job.runtime["threads_from"])
     return result
+
+
+def compare_slice(model: torch.nn.Module, texts: list[divergence.ReferenceText], slice_name: str, captured: Any,
+                  forward_threads: int | None) -> pd.DataFrame:
+    """One slice's per-token comparison; replies whose prompts' KV caches were held (a slice answered before its
+    reference was read) are teacher-forced from them first, on the forwards' thread count."""
+    with divergence.torch_threads(forward_threads):
+        teacher_force_held(model, captured, texts)
+    return divergence.compare_to_reference(model, texts, slice_name, captured=captured,
+                                           forward_threads=forward_threads)
 
 
 def open_job(cfg: RunConfig) -> Job:
@@ -399,7 +409,8 @@ def evaluate_slices(loaded: models.LoadedModel, job: Job, references: dict[str, 
     teacher-forced after each prompt (:func:`capture_for`), which needs the slice's reference first: a
     slice whose reference is ready (here, or finished by another process meanwhile: read, returned in
     :attr:`Evaluated.waited`) goes next; when none is, the slice another process will reach last goes
-    without it (its replies are then run again in the divergence stage), so this process never idles.
+    without it (its prompts' KV caches are held, ``runtime.held_kv_gb``, and the reference's replies
+    teacher-forced from them in the divergence stage), so this process never idles.
     """
     spec = job.reference_spec
     settings = spec.eval_settings(tokenizer_dir(loaded))
@@ -414,7 +425,10 @@ def evaluate_slices(loaded: models.LoadedModel, job: Job, references: dict[str, 
         checkpoint = job.checkpoint / slice_.name
         restored[slice_.name] = evaluate.checkpoint_rows(checkpoint)
         teacher = None if reference is None else teacher_replies(slice_, reference.records, loaded.tokenizer, spec)
-        captured[slice_.name] = capture_for(lm, slice_, spec, teacher)
+        # its replies come later: prompt KV caches held, within what earlier slices' hold leaves of the budget
+        hold = 0 if reference is not None else max(0, int(job.cfg.runtime.held_kv_gb * 2**30) - sum(
+            c.held_size for c in captured.values() if c is not None))
+        captured[slice_.name] = capture_for(lm, slice_, spec, teacher, hold)
         frames[slice_.name], agg = evaluate.evaluate_slice(lm, slice_, settings, checkpoint=checkpoint)
         requests[slice_.name] = evaluate.checkpoint_rows(checkpoint)
         aggregates.update(agg)

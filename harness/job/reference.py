@@ -26,9 +26,10 @@ import pandas as pd
 import torch
 
 from harness.config import ModelConfig, RunConfig
+from harness.divergence import router
 from harness.divergence import scoring as divergence
 from harness.divergence.capture import HiddenCapture
-from harness.evaluation import evaluate
+from harness.evaluation import evaluate, generation
 from harness.evaluation.slices import Slice
 from harness.infra import locks
 from harness.infra.cache import Cache
@@ -110,19 +111,43 @@ def _compute(loaded: models.LoadedModel, slice_: Slice, spec: ReferenceSpec, cac
 
 
 def capture_for(lm: object, slice_: Slice | None, spec: ReferenceSpec,
-                teacher: dict[tuple[int, ...], tuple[int, ...]] | None = None) -> HiddenCapture | None:
+                teacher: dict[tuple[int, ...], tuple[int, ...]] | None = None, hold_bytes: int = 0
+                ) -> HiddenCapture | None:
     """Have ``lm`` keep the states of the forwards that answer ``slice_``'s items; None: it cannot.
 
     For a slice scored on served texts, on the harness's own HF wrapper (other backends keep nothing and the
     divergence stage runs the texts again). ``teacher`` (prompt ids -> the reference's reply ids): replies to
-    teacher-force after each prompt's prefill (the quantized side). ``slice_=None`` stops keeping.
+    teacher-force after each prompt's prefill (the quantized side). ``hold_bytes``: without ``teacher`` (the
+    reference not read yet), hold the prompts' KV caches up to that many bytes to teacher-force its replies
+    later (:func:`teacher_force_held`). ``slice_=None`` stops keeping.
     """
     if not hasattr(lm, "hidden_capture"):
         return None
-    capture = HiddenCapture() if slice_ is not None and served_format(slice_, spec) else None
+    if router.num_experts(lm.model):  # type: ignore[attr-defined]
+        hold_bytes = 0  # a mixture of experts' texts are run again anyway (its router's selections)
+    capture = HiddenCapture(hold_bytes) if slice_ is not None and served_format(slice_, spec) else None
     lm.hidden_capture = capture  # type: ignore[attr-defined]
     lm.teacher = None if capture is None or not teacher else teacher.get  # type: ignore[attr-defined]
     return capture
+
+
+def teacher_force_held(model: torch.nn.Module, capture: HiddenCapture | None,
+                       texts: list[divergence.ReferenceText]) -> None:
+    """The reference's replies teacher-forced from the prompt KV caches ``capture`` held for them
+    (:func:`capture_for`'s ``hold_bytes``), where the model's own replies do not already give their states."""
+    if capture is None or not capture.held:
+        return
+    replies = {tuple(prompt): tuple(reply) for text in texts if text.captured
+               and (pair := text.prompt_and_reply()) is not None for prompt, reply in [pair]}
+
+    def teacher(prompt: tuple[int, ...]) -> tuple[int, ...] | None:
+        reply = replies.get(prompt)
+        return reply if reply is not None and capture.states(prompt, reply) is None else None
+
+    generation.teacher_force_held(model, capture, teacher)
+    if capture.not_held:
+        log.info("%d batch(es) of prompt KV caches did not fit runtime.held_kv_gb: their texts are run again",
+                 capture.not_held)
 
 
 def teacher_replies(slice_: Slice, records: pd.DataFrame, tokenizer: object,

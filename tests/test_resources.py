@@ -39,6 +39,11 @@ def test_meter_counts_prefill_and_decode_tokens_of_a_real_model(make_cfg):
         model.generate(ids[:, :4], attention_mask=torch.ones(2, 4, dtype=torch.long), max_new_tokens=3,
                        min_new_tokens=3, do_sample=False, pad_token_id=0)
     meter.end("b", 2.0)
+    meter.begin("c")
+    with torch.inference_mode():
+        out = model(ids[:, :4], use_cache=True)
+        model(ids[:, 2:], past_key_values=out.past_key_values, use_cache=True)  # 3 tokens per row after the cache
+    meter.end("c", 1.0)
     with torch.inference_mode():
         model(ids)  # outside any stage: not counted
     meter.unwatch()
@@ -46,6 +51,10 @@ def test_meter_counts_prefill_and_decode_tokens_of_a_real_model(make_cfg):
     # generate: one prefill of 2 x 4 prompt tokens (it yields the first new token), then 2 decode steps x 2 rows
     assert (meter.stages["b"].prefill_tokens, meter.stages["b"].generated_tokens) == (8, 4)
     assert meter.throughput()["b"]["tokens_per_s"] == pytest.approx(12 / 2.0)
+    # a teacher-forced pass (several tokens per row after a KV cache) is computed as a prefill is: counted there
+    c = meter.stages["c"]
+    assert (c.prefill_tokens, c.generated_tokens, c.teacher_forced_tokens, meter.stages["b"].teacher_forced_tokens) \
+        == (14, 0, 6, 0)
     assert "cuda_peak_gb" not in meter.resources() or torch.cuda.is_available()
 
 

@@ -4,8 +4,10 @@ A :class:`StageMeter` is entered around each stage of :func:`harness.job.pipelin
 records the CUDA allocator's peak (``torch.cuda.max_memory_allocated`` on every visible GPU,
 summed, reset when the stage starts; only where CUDA exists) and the tokens the model ran
 through: a hook on the watched model's input embedding counts its token ids (batch x length,
-padding included) as *prefill* tokens, or as *generated* tokens when the model's call
-continues a non-empty KV cache (a decode step of ``generate``). Tokens/s divides them by the stage's wall
+padding included) as *generated* tokens when the model's call continues a non-empty KV cache one
+token per row (a decode step), and as *prefill* tokens otherwise; ``teacher_forced_tokens`` are the
+part of those prefill tokens that continued a KV cache several tokens per row (a reply teacher-forced
+after its prompt's prefill: computed in parallel, as a prefill is). Tokens/s divides them by the stage's wall
 time (the stage's bookkeeping included), which is the rate :mod:`harness.planning.plan` needs to
 predict a job's wall time on the same hardware. Host memory is the process's peak resident set
 (``getrusage``: a high-water mark over the whole job, sampled at the end of each stage).
@@ -59,6 +61,7 @@ class StageUse:
     seconds: float = 0.0
     prefill_tokens: int = 0
     generated_tokens: int = 0
+    teacher_forced_tokens: int = 0  # of prefill_tokens: several tokens per row after a non-empty KV cache
     cuda_peak_bytes: int = 0
 
 
@@ -98,10 +101,13 @@ class StageMeter:
         if self.current is None or not args or not isinstance(args[0], torch.Tensor):
             return
         use = self.stages[self.current]
-        if self._decoding:
-            use.generated_tokens += int(args[0].numel())
+        tokens = int(args[0].numel())
+        if self._decoding and args[0].shape[-1] == 1:
+            use.generated_tokens += tokens
         else:
-            use.prefill_tokens += int(args[0].numel())
+            use.prefill_tokens += tokens
+            if self._decoding:
+                use.teacher_forced_tokens += tokens
 
     def begin(self, name: str) -> None:
         self.stages.setdefault(name, StageUse())
@@ -131,6 +137,6 @@ class StageMeter:
                 continue
             seconds = max(use.seconds, 1e-9)
             out[name] = {"prefill_tokens": use.prefill_tokens, "generated_tokens": use.generated_tokens,
-                         "seconds": use.seconds,
+                         "teacher_forced_tokens": use.teacher_forced_tokens, "seconds": use.seconds,
                          "tokens_per_s": (use.prefill_tokens + use.generated_tokens) / seconds}
         return out

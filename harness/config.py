@@ -340,6 +340,11 @@ class RuntimeConfig:
     # reference's replies are teacher-forced from them later instead of each text being run again from its
     # first token (SmolLM2 fp32: 46 kB per prompt token; an 8B model in bf16: 128 kB). 0: run them again.
     held_kv_gb: float = 4.0
+    # Greedy generation requests (eval.generator=harness) decoded together as one batch, their prompts prefilled
+    # eval.batch_size at a time: a decode step on a CPU costs about as much for one row as for several (each step
+    # reads every weight), so more rows share each step and a slice takes fewer (answers unchanged: padding and
+    # batch composition change no reply, tested). null: eval.batch_size. Lower it when decode memory is short.
+    decode_rows: Optional[int] = 64
 
 
 @dataclass

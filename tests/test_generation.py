@@ -174,3 +174,48 @@ def test_the_tail_stop_check_ends_each_reply_where_decoding_all_of_it_does(share
             assert tail == definition, (stop, definition, tail)
             cases += definition is not None
     assert cases > 60  # most stops are met somewhere in their reply, at many different steps
+
+
+def test_prompts_prefilled_in_groups_decode_as_one_batch_with_the_same_replies():
+    """prefill_rows: groups of prompts prefilled apart (each padded to its own longest), then decoded as one batch.
+    Each row's reply is the one HF generate gives that prompt alone (no padding at all); every decode step carries
+    every unfinished row; the captured states are those of one prefill of the whole batch."""
+    from harness.divergence.capture import HiddenCapture
+    from tests.conftest import perturbed_llama_pair
+
+    _, model = perturbed_llama_pair(96, num_hidden_layers=2)
+    lengths, pad, new = [13, 11, 9, 7, 5, 3, 2], 0, 12
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 96, (n,), generator=gen).tolist() for n in lengths]
+    width = max(lengths)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    alone = [model.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                            max_new_tokens=new, do_sample=False, pad_token_id=pad, eos_token_id=None)[0, len(p):]
+             for p in prompts]
+    eos = {int(alone[1][4])}  # row 1 (and any row emitting it) finishes early
+    rows_per_forward: list[int] = []
+    hook = model.register_forward_pre_hook(
+        lambda _m, _args, kwargs: rows_per_forward.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    grouped, whole = HiddenCapture(), HiddenCapture()
+    teacher = {tuple(p): tuple(alone[(i + 1) % len(prompts)][:5].tolist()) for i, p in enumerate(prompts)}
+    try:
+        got = greedy_generate(model, ids, mask, max_new_tokens=new, pad_token_id=pad, eos_token_ids=eos,
+                              capture=grouped, teacher=teacher.get, prefill_rows=3)
+    finally:
+        hook.remove()
+    greedy_generate(model, ids, mask, max_new_tokens=new, pad_token_id=pad, eos_token_ids=eos, capture=whole,
+                    teacher=teacher.get)
+    for row, reply in enumerate(alone):
+        tokens = reply.tolist()
+        end = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+        assert got[row, width:width + end].tolist() == tokens[:end], row
+        assert (got[row, width + end:] == pad).all(), row
+    # three prefills (3 + 3 + 1 rows) and three teacher-forcing passes, then decode steps of all unfinished rows
+    unfinished = sum(int(reply[0]) not in eos for reply in alone)  # rows still decoding after their first token
+    assert rows_per_forward[:6] == [3, 3, 3, 3, 1, 1] and rows_per_forward[6] == unfinished > 3
+    assert min(rows_per_forward[6:]) < len(prompts)  # finished rows still leave the batch
+    for prompt in prompts:
+        reply = teacher[tuple(prompt)]
+        a, b = grouped.states(prompt, reply), whole.states(prompt, reply)
+        assert a is not None and b is not None and torch.allclose(a, b, rtol=1e-4, atol=1e-5)

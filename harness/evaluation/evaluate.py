@@ -45,6 +45,7 @@ class EvalSettings:
     backend: str = "hf"  # hf: the loaded model through HFLM | vllm: the checkpoint on disk through lm-eval's VLLM
     generator: str = "harness"  # greedy decoding: harness.evaluation.generation (rows leave as they finish) | hf (generate)
     max_gen_toks: int | None = None  # caps each generation task's max_gen_toks (eval.max_gen_toks); None: its own
+    decode_rows: int | None = None  # greedy generation requests decoded together (runtime.decode_rows); None: batch_size
 
 
 BACKENDS = ("hf", "vllm")
@@ -67,8 +68,11 @@ def make_lm(model: Any, tokenizer: Any, settings: EvalSettings, *, checkpoint: s
     from lm_eval.models.huggingface import HFLM
 
     cls = _harness_hflm() if settings.generator == "harness" else HFLM
-    return cls(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size,
-               max_length=settings.max_length, device=settings.device)
+    lm = cls(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size,
+             max_length=settings.max_length, device=settings.device)
+    if settings.generator == "harness":
+        lm.decode_rows = settings.decode_rows
+    return lm
 
 
 @functools.cache
@@ -97,6 +101,20 @@ def _harness_hflm() -> type:
         # set by the caller for a slice, so the divergence stage runs no prompt again
         hidden_capture = None  # a harness.divergence.capture.HiddenCapture: keeps the answering forwards' states
         teacher = None  # prompt token ids -> the reference's reply ids, teacher-forced after the prompt's prefill
+        # greedy generation requests decoded as one batch, their prompts prefilled batch_size at a time: a CPU decode
+        # step costs about the same for 1 row as for 8 (the weights are read once), so rows share the steps
+        decode_rows: int | None = None
+        prefill_rows: int | None = None  # set while generate_until runs with decode_rows
+
+        def generate_until(self, requests, disable_tqdm=False):
+            prefill = self.batch_size_per_gpu
+            if not self.decode_rows or prefill == "auto" or self.decode_rows <= prefill:
+                return super().generate_until(requests, disable_tqdm)
+            self.batch_size_per_gpu, self.prefill_rows = self.decode_rows, prefill  # lm-eval's chunk: decode_rows
+            try:
+                return super().generate_until(requests, disable_tqdm)
+            finally:
+                self.batch_size_per_gpu, self.prefill_rows = prefill, None
 
         def _loglikelihood_tokens(self, requests, disable_tqdm=False, override_bs=None):
             if self.backend != "causal":
@@ -155,7 +173,7 @@ def _harness_hflm() -> type:
             return greedy_generate(self.model, context, mask, max_new_tokens=max_length - context.shape[1],
                                    pad_token_id=self.tokenizer.pad_token_id, stop=[s for s in stop if s],
                                    decode=lambda ids: self.tok_decode(ids, skip_special_tokens=False),
-                                   capture=self.hidden_capture, teacher=self.teacher)
+                                   capture=self.hidden_capture, teacher=self.teacher, prefill_rows=self.prefill_rows)
 
     return HarnessHFLM
 

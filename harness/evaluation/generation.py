@@ -256,7 +256,7 @@ def teacher_force_held(model: nn.Module, capture: HiddenCapture | None, teacher:
 def greedy_generate(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *, max_new_tokens: int,
                     pad_token_id: int, stop: Sequence[str] = (), decode: Callable[[list[int]], str] | None = None,
                     eos_token_ids: set[int] | None = None, capture: HiddenCapture | None = None,
-                    teacher: Teacher | None = None) -> Tensor:
+                    teacher: Teacher | None = None, prefill_rows: int | None = None) -> Tensor:
     """Greedy decode of a left-padded batch; see the module docstring.
 
     ``stop``: strings that end a row once they appear in its decoded reply (``decode`` turns the
@@ -264,23 +264,81 @@ def greedy_generate(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
     end a row (default: the model's generation config). ``capture``: keeps each prompt's prefill
     and decode states, and with ``teacher`` (prompt ids -> a reply) that reply's teacher-forced
     states (module docstring); without ``teacher``, each batch's prompt KV cache is held for
-    :func:`teacher_force_held` within the capture's ``hold_bytes``.
+    :func:`teacher_force_held` within the capture's ``hold_bytes``. ``prefill_rows``: prompts are prefilled
+    that many rows at a time (each group padded to its own longest prompt) and then decode as one batch,
+    so a decode step carries every unfinished row; None: one prefill of the whole batch.
     """
     if capture is None:
         return _greedy(model, input_ids, attention_mask, max_new_tokens, pad_token_id, stop, decode, eos_token_ids,
-                       None, None, [])
+                       None, None, [], prefill_rows)
     seen: list[Tensor] = []
     hook = _capturing(model, seen)
     try:
         return _greedy(model, input_ids, attention_mask, max_new_tokens, pad_token_id, stop, decode, eos_token_ids,
-                       capture, teacher, seen)
+                       capture, teacher, seen, prefill_rows)
     finally:
         hook.remove()
 
 
+def _prefill(model: nn.Module, input_ids: Tensor, mask: Tensor, cache_kw: str, prefill_kw: dict,
+             capture: HiddenCapture | None, teacher: Teacher | None, seen: list[Tensor], trim: bool
+             ) -> tuple[Any, Tensor, Tensor, Tensor, list[Any]]:
+    """One group's prefill: (KV cache, mask, positions, last logits, capture entries); with ``trim``, the columns
+    that pad every row of the group are dropped first. The capture's teacher-forcing or hold follows it."""
+    if trim:
+        first = int((mask.sum(0) > 0).nonzero()[0])  # left padding: the first column some row uses
+        input_ids, mask = input_ids[:, first:], mask[:, first:]
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    cache = _new_cache(model)
+    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                   **{cache_kw: cache}, **prefill_kw).logits[:, -1]
+    entries = _record_prefill(capture, input_ids, mask, seen.pop()) if capture is not None else []
+    if teacher is not None and any(entry is not None for entry in entries):
+        _teacher_force(model, cache, cache_kw, prefill_kw, input_ids, mask, positions, entries, teacher, seen)
+    elif capture is not None and teacher is None and capture.hold_bytes:  # the replies are not known yet
+        _hold(capture, cache, input_ids, mask, positions, entries)
+    return cache, mask, positions, logits, entries
+
+
+def _mergeable(cache: Any) -> bool:
+    """Whether caches of this kind can be joined along the batch (:func:`_merge`): full-attention layers only
+    (a sliding-window layer keeps a window, not every position)."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    if layers:
+        return all(type(layer) is DynamicLayer for layer in layers)
+    return getattr(cache, "layer_class_to_replicate", None) is DynamicLayer
+
+
+def _left_pad(tensor: Tensor, width: int, dim: int) -> Tensor:
+    missing = width - tensor.shape[dim]
+    if not missing:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
+
+
+def _merge(parts: list[tuple[Any, Tensor, Tensor, Tensor, list[Any]]]) -> tuple[Any, Tensor, Tensor, Tensor, list[Any]]:
+    """Groups prefilled apart, joined into one batch: each left-padded (masked) to the longest, rows in order.
+
+    Positions are explicit per row, so a row's padding changes no position; its keys there are masked out."""
+    width = max(part[1].shape[1] for part in parts)
+    cache = parts[0][0]
+    for index, layer in enumerate(cache.layers):
+        layer.keys = torch.cat([_left_pad(part[0].layers[index].keys, width, 2) for part in parts])
+        layer.values = torch.cat([_left_pad(part[0].layers[index].values, width, 2) for part in parts])
+    mask = torch.cat([_left_pad(part[1], width, 1) for part in parts])
+    positions = torch.cat([_left_pad(part[2], width, 1) for part in parts])
+    logits = torch.cat([part[3] for part in parts])
+    return cache, mask, positions, logits, [entry for part in parts for entry in part[4]]
+
+
 def _greedy(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, max_new_tokens: int, pad_token_id: int,
             stop: Sequence[str], decode: Callable[[list[int]], str] | None, eos_token_ids: set[int] | None,
-            capture: HiddenCapture | None, teacher: Teacher | None, seen: list[Tensor]) -> Tensor:
+            capture: HiddenCapture | None, teacher: Teacher | None, seen: list[Tensor],
+            prefill_rows: int | None = None) -> Tensor:
     """:func:`greedy_generate`'s decode; with ``capture``, ``seen`` receives the decoder's states of each forward."""
     if stop and decode is None:
         raise ValueError("greedy_generate: stop strings need a decode function")
@@ -290,16 +348,12 @@ def _greedy(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, max_new
     batch = input_ids.shape[0]
     out = torch.full((batch, max_new_tokens), pad_token_id, dtype=input_ids.dtype, device=input_ids.device)
     mask = attention_mask.to(input_ids.device).long()
-    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
-    cache = _new_cache(model)
     cache_kw, prefill_kw = _forward_kwargs(model)
-    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                   **{cache_kw: cache}, **prefill_kw).logits[:, -1]
-    entries = _record_prefill(capture, input_ids, mask, seen.pop()) if capture is not None else []
-    if teacher is not None and any(entry is not None for entry in entries):
-        _teacher_force(model, cache, cache_kw, prefill_kw, input_ids, mask, positions, entries, teacher, seen)
-    elif capture is not None and teacher is None and capture.hold_bytes:  # the replies are not known yet
-        _hold(capture, cache, input_ids, mask, positions, entries)
+    group = batch if not prefill_rows or prefill_rows >= batch or not _mergeable(_new_cache(model)) else prefill_rows
+    parts = [_prefill(model, input_ids[a:a + group], mask[a:a + group], cache_kw, prefill_kw, capture, teacher, seen,
+                      trim=group < batch)
+             for a in range(0, batch, group)]
+    cache, mask, positions, logits, entries = parts[0] if len(parts) == 1 else _merge(parts)
     rows = torch.arange(batch, device=input_ids.device)  # the original row of each active row
     replies: list[list[int]] = [[] for _ in range(batch)]
     stopped = _stop_check(stop, decode) if stop else None

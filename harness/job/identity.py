@@ -63,6 +63,7 @@ class ReferenceSpec:
     checkpoint: str | None  # model.path: what a backend that serves checkpoints loads (None: no path)
     process: str  # runtime.reference_process: auto | true | false
     stall_s: float  # runtime.reference_stall_s
+    decode_rows: int | None = None  # runtime.decode_rows
 
     @classmethod
     def of(cls, cfg: RunConfig) -> ReferenceSpec:
@@ -72,13 +73,14 @@ class ReferenceSpec:
                    divergence_plain=cfg.eval.divergence_plain, reference_store=cfg.eval.reference_store,
                    reference_topk=cfg.eval.reference_topk, batch_size=cfg.eval.batch_size or cfg.model.batch_size,
                    checkpoint=cfg.model.path or None, process=str(cfg.runtime.reference_process),
-                   stall_s=cfg.runtime.reference_stall_s)
+                   stall_s=cfg.runtime.reference_stall_s, decode_rows=cfg.runtime.decode_rows)
 
     def eval_settings(self, tokenizer_path: str | None) -> evaluate.EvalSettings:
         """The lm-eval settings both models are evaluated with."""
         return evaluate.EvalSettings(batch_size=self.batch_size, max_length=self.max_length, device=self.device,
                                      chat_template=self.chat_template, seed=self.seed, tokenizer_path=tokenizer_path,
-                                     backend=self.backend, generator=self.generator, max_gen_toks=self.max_gen_toks)
+                                     backend=self.backend, generator=self.generator, max_gen_toks=self.max_gen_toks,
+                                     decode_rows=self.decode_rows)
 
 
 def eval_settings(cfg: RunConfig, tokenizer_path: str | None) -> evaluate.EvalSettings:

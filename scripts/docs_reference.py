@@ -471,8 +471,11 @@ METRICS: dict[str, tuple[str, str]] = {
     "timings/<stage>": ("seconds", "wall time of a stage (load, reference, reference_wait, quantize, evaluate, divergence, write)"),
     "timings/model_load_s": ("seconds", "of the load stage, loading the model itself"),
     "throughput/<stage>/seconds": ("seconds", "wall time of the stage's model work"),
-    "throughput/<stage>/prefill_tokens": ("tokens", "prompt tokens the stage ran through the model"),
-    "throughput/<stage>/generated_tokens": ("tokens", "tokens the stage generated"),
+    "throughput/<stage>/prefill_tokens": ("tokens", "tokens the stage ran through the model in parallel (prompts, "
+                                          "padding included, and teacher-forced replies)"),
+    "throughput/<stage>/generated_tokens": ("tokens", "tokens the stage decoded one step at a time"),
+    "throughput/<stage>/teacher_forced_tokens": ("tokens", "of prefill_tokens, replies run after their prompt's KV "
+                                                 "cache (the reference's, on the candidate)"),
     "throughput/<stage>/tokens_per_s": ("tokens/s", "(prefill + generated) ÷ seconds"),
     "resources/host_rss_peak_gb": ("GiB", "peak resident memory of the job's process"),
     "runtime/threads": ("threads", "torch CPU threads the job used"),

@@ -150,14 +150,16 @@ def _record_prefill(capture: HiddenCapture, input_ids: Tensor, mask: Tensor, hid
     return rows
 
 
-def _teacher_force(model: nn.Module, cache: Any, cache_kw: str, prefill_kw: dict, input_ids: Tensor, mask: Tensor,
-                   positions: Tensor, entries: list[Any], teacher: Teacher, seen: list[Tensor],
-                   keep_cache: bool = True) -> None:
-    """Run each row's teacher reply (of >= 2 tokens) after its prompt, from a copy of the batch's KV cache.
+PADDING = 1.25  # a teacher-forcing pass runs at most this many tokens per reply token (right padding included)
 
-    The reply's tokens but the last (which predicts nothing) run right-padded and masked; their
-    states become the entry's continuation for that reply. The batch's own cache is left untouched
-    (``keep_cache=False``: a held cache, used up here).
+
+def _teacher_force(model: nn.Module, cache: Any, cache_kw: str, prefill_kw: dict, input_ids: Tensor, mask: Tensor,
+                   positions: Tensor, entries: list[Any], teacher: Teacher, seen: list[Tensor]) -> None:
+    """Run each row's teacher reply (of >= 2 tokens) after its prompt, from the batch's KV cache.
+
+    The reply's tokens but the last (which predicts nothing) run right-padded and masked, rows of similar
+    length together (longest first, a pass padded to at most ``PADDING`` times its reply tokens); their
+    states become the entry's continuation for that reply. The batch's own cache is left untouched.
     """
     wanted = []
     for row, entry in enumerate(entries):
@@ -165,12 +167,40 @@ def _teacher_force(model: nn.Module, cache: Any, cache_kw: str, prefill_kw: dict
             reply = teacher(tuple(input_ids[row][mask[row].bool()].tolist()))
             if reply is not None and len(reply) >= 2:
                 wanted.append((row, tuple(int(t) for t in reply)))
-    if not wanted:
-        return
+    wanted.sort(key=lambda pair: -len(pair[1]))
+    passes: list[list[tuple[int, tuple[int, ...]]]] = []
+    for pair in wanted:  # the longest reply of a pass is its first: its width
+        if passes and len(passes[-1][0][1]) * (len(passes[-1]) + 1) <= \
+                PADDING * (sum(len(r) for _, r in passes[-1]) + len(pair[1])):
+            passes[-1].append(pair)
+        else:
+            passes.append([pair])
+    for rows in passes:
+        _teacher_pass(model, cache, cache_kw, prefill_kw, input_ids, mask, positions, entries, rows, seen)
+
+
+def _select(cache: Any, index: Tensor) -> Any:
+    """A cache of the rows ``index`` (CPU indices), the original left as it is."""
+    layers = _layers(cache)
+    if layers is None:  # another kind of cache: a whole copy, then the rows
+        chosen = copy.deepcopy(cache)
+        chosen.batch_select_indices(index)
+        return chosen
+    chosen = copy.copy(cache)
+    chosen.layers = []
+    for layer in layers:
+        row = copy.copy(layer)
+        row.keys, row.values = layer.keys[index.to(layer.keys.device)], layer.values[index.to(layer.values.device)]
+        chosen.layers.append(row)
+    return chosen
+
+
+def _teacher_pass(model: nn.Module, cache: Any, cache_kw: str, prefill_kw: dict, input_ids: Tensor, mask: Tensor,
+                  positions: Tensor, entries: list[Any], wanted: list[tuple[int, tuple[int, ...]]],
+                  seen: list[Tensor]) -> None:
+    """One forward of :func:`_teacher_force`: the replies of ``wanted`` (row, reply) after their prompts."""
     device = input_ids.device
     index = torch.tensor([row for row, _ in wanted], device=device)
-    forced = copy.deepcopy(cache) if keep_cache else cache
-    forced.batch_select_indices(index.cpu())
     width = max(len(reply) - 1 for _, reply in wanted)
     ids = torch.zeros((len(wanted), width), dtype=input_ids.dtype, device=device)
     tail = torch.zeros((len(wanted), width), dtype=mask.dtype, device=device)
@@ -179,7 +209,8 @@ def _teacher_force(model: nn.Module, cache: Any, cache_kw: str, prefill_kw: dict
         tail[i, :len(reply) - 1] = 1
     start = positions[index, -1:] + 1
     model(input_ids=ids, attention_mask=torch.cat([mask[index], tail], dim=1),
-          position_ids=start + torch.arange(width, device=device), use_cache=True, **{cache_kw: forced}, **prefill_kw)
+          position_ids=start + torch.arange(width, device=device), use_cache=True,
+          **{cache_kw: _select(cache, index.cpu())}, **prefill_kw)
     hidden = seen.pop().cpu()
     for i, (row, reply) in enumerate(wanted):
         entries[row].continuations[reply] = hidden[i, :len(reply) - 1]
@@ -246,8 +277,7 @@ def teacher_force_held(model: nn.Module, capture: HiddenCapture | None, teacher:
             for layer, device in zip(held.cache.layers, held.devices):
                 layer.keys, layer.values = layer.keys.to(device), layer.values.to(device)
             _teacher_force(model, held.cache, cache_kw, prefill_kw, held.input_ids.to(held.device),
-                           held.mask.to(held.device), held.positions.to(held.device), held.entries, teacher, seen,
-                           keep_cache=False)
+                           held.mask.to(held.device), held.positions.to(held.device), held.entries, teacher, seen)
     finally:
         hook.remove()
 

@@ -240,9 +240,12 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
 def compare_slice(model: torch.nn.Module, texts: list[divergence.ReferenceText], slice_name: str, captured: Any,
                   forward_threads: int | None) -> pd.DataFrame:
     """One slice's per-token comparison; replies whose prompts' KV caches were held (a slice answered before its
-    reference was read) are teacher-forced from them first, on the forwards' thread count."""
-    with divergence.torch_threads(forward_threads):
-        teacher_force_held(model, captured, texts)
+    reference was read) are teacher-forced from them first.
+
+    On all threads: only a reply the model's own decode did not give is teacher-forced, and such states never
+    equal the reference's decode states bit for bit anyway (a null scheme decodes the reference's replies: its
+    states are its own decode's, computed with the reference's thread count)."""
+    teacher_force_held(model, captured, texts)
     return divergence.compare_to_reference(model, texts, slice_name, captured=captured,
                                            forward_threads=forward_threads)
 

@@ -31,6 +31,14 @@ and writes every measurement to ``out`` (JSON). Exit status 1 when any check FAI
   ``use_fast_accum=True`` (Hopper's reduced-precision FP8 accumulation) reported beside it. Then a
   2-layer model of the shape: KL(real ‖ simulated) on 4 × 512 random tokens (FAIL unless under a
   tenth of the scheme's own KL(bf16 ‖ real)).
+- ``one_prefill``: a 2-layer model of the shape in bf16 (its head sharpened 4×) and a copy with every
+  matrix perturbed by 20 % of its scale: the
+  per-token statistics from the states of the forwards that answered the items, and from prompt KV caches
+  held on the CPU and brought back to the device (``runtime.held_kv_gb``), against every text run again
+  (FAIL unless the per-position |ΔKL| averages ≤ 5 % of the mean KL, and the same states shifted by one
+  position move it at least 5× as much); prompts prefilled one at a time and
+  decoded as one batch (``runtime.decode_rows``) against one prefill of the batch (WARN unless every token
+  is equal: bf16 GEMMs of other shapes can round a near-tie the other way).
 - ``moe``: a random Qwen3-30B-A3B-shaped mixture of experts (the ledger's ``qwen3_30b_a3b`` entry in
   conf/ledger/architectures.yaml: 2048 wide, 128 experts of width 768, 8 per token) in bf16, ``moe_layers``
   of its 48 layers (default 8, about 5.6e9 parameters and 11 GB: the full depth, 61 GB, fits an H200 even
@@ -62,6 +70,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -457,6 +466,98 @@ def section_generation(check: Check, device: torch.device, shape: dict) -> None:
                f"{ours_s:.2f} s vs generate {hf_s:.2f} s", "identical tokens", harness_s=ours_s, generate_s=hf_s)
 
 
+def _one_prefill_frames(check: Check, device: torch.device, shape: dict) -> dict[str, Any]:
+    """The per-token statistics of one perturbed pair, by each path the job takes, on ``device`` in bf16."""
+    from harness.divergence.capture import CapturedPrompt, HiddenCapture
+    from harness.divergence.scoring import ServedText, compare_to_reference, score_reference
+    from harness.evaluation.generation import greedy_generate
+    from harness.job.reference import teacher_force_held
+    reference = random_llama(shape, 2, device, torch.bfloat16, seed=7)
+    with torch.no_grad():  # a sharper head: distributions far from uniform, a KL far above bf16 rounding
+        reference.lm_head.weight.mul_(4.0)
+    quantized = copy.deepcopy(reference)
+    generator = torch.Generator(device=device).manual_seed(8)
+    with torch.no_grad():
+        for param in quantized.parameters():  # a "quantized" model: every matrix perturbed by 20 % of its scale
+            if param.dim() == 2:
+                param.add_(0.2 * param.abs().mean() * torch.randn(param.shape, generator=generator, device=device,
+                                                                   dtype=param.dtype))
+    gen = torch.Generator().manual_seed(9)
+    lengths = [7, 40, 19, 64] if not check.options.dry_run else [7, 12, 5, 9]
+    batches = [[torch.randint(10, 1000, (n,), generator=gen).tolist() for n in lengths[:2]],
+               [torch.randint(10, 1000, (n,), generator=gen).tolist() for n in lengths[2:]]]
+    steps = 12
+
+    def answer(model, capture=None, teacher=None, prefill_rows=None) -> dict[tuple, list[int]]:
+        replies = {}
+        for batch in batches:
+            width = max(map(len, batch))
+            ids = torch.tensor([[0] * (width - len(q)) + q for q in batch], device=device)
+            mask = torch.tensor([[0] * (width - len(q)) + [1] * len(q) for q in batch], device=device)
+            with torch.inference_mode():
+                out = greedy_generate(model, ids, mask, max_new_tokens=steps, pad_token_id=0, eos_token_ids=set(),
+                                      capture=capture, teacher=teacher, prefill_rows=prefill_rows)
+            for row, prompt in enumerate(batch):
+                replies[tuple(prompt)] = out[row, width:].tolist()
+        return replies
+
+    ref_capture, quant_capture, held = HiddenCapture(), HiddenCapture(), HiddenCapture(hold_bytes=2**32)
+    replies = answer(reference, ref_capture)
+    texts = [ServedText(prompt, tuple(reply)) for prompt, reply in replies.items()]
+    answer(quantized, quant_capture, teacher=lambda prompt: replies.get(tuple(prompt)))
+    answer(quantized, held)  # answered before the reference's replies are known: prompt caches held
+    with torch.inference_mode():
+        def scored(captured=None):
+            return score_reference(reference, None, texts, max_tokens=256, store="hidden", captured=captured)
+        frames = {"two_pass": compare_to_reference(quantized, scored(), "s"),
+                  "captured": compare_to_reference(quantized, scored(ref_capture), "s", captured=quant_capture)}
+        late = scored(ref_capture)
+        teacher_force_held(quantized, held, late)
+        frames["held"] = compare_to_reference(quantized, late, "s", captured=held)
+        shifted = HiddenCapture()  # the control: every captured state one position late
+        for prompt, row in quant_capture.prompts.items():
+            shifted.prompts[prompt] = CapturedPrompt(torch.cat([row.prompt[:1], row.prompt[:-1]]), row.fed, row.steps,
+                                                     row.continuations)
+        frames["shifted"] = compare_to_reference(quantized, scored(ref_capture), "s", captured=shifted)
+    grouped = answer(quantized, prefill_rows=1)  # each prompt prefilled alone, the caches joined, one decode
+    whole = answer(quantized)
+    same = sum(a == b for prompt in whole for a, b in zip(whole[prompt], grouped[prompt]))
+    return {"frames": frames, "grouped_same": same, "grouped_total": sum(map(len, whole.values()))}
+
+
+def section_one_prefill(check: Check, device: torch.device, shape: dict) -> None:
+    """One prefill per prompt on the device in bf16 (2 blocks of the shape): the statistics from the states of the
+    forwards that answered the items, and from prompt caches held on the CPU and brought back, against every text
+    run again (two-pass); prompts prefilled apart and decoded as one batch against one prefill of the batch."""
+    result = _one_prefill_frames(check, device, shape)
+    frames = result["frames"]
+    two = frames["two_pass"]
+    base = float(two["kl"].mean())
+
+    def gap(frame) -> float:  # mean |ΔKL| per position, against the two-pass mean KL
+        if len(frame) != len(two) or not (frame["position"].to_numpy() == two["position"].to_numpy()).all():
+            return math.inf
+        return float(np.abs(frame["kl"].to_numpy() - two["kl"].to_numpy()).mean()) / max(base, 1e-12)
+
+    control = gap(frames["shifted"])
+    for name in ("captured", "held"):
+        frame = frames[name]
+        top1 = float((frame["top1_quant"].to_numpy() == two["top1_quant"].to_numpy()).mean()) \
+            if math.isfinite(gap(frame)) else 0.0
+        ok = gap(frame) <= 0.05 and control > 5 * max(gap(frame), 1e-4)
+        check.line("PASS" if ok else "FAIL", f"one_prefill/{name} == two-pass",
+                   f"{device.type} bf16, {len(two)} positions: mean KL {float(frame['kl'].mean()):.4g} vs {base:.4g}, "
+                   f"per-position |ΔKL| {100 * gap(frame):.2f} % of it, quantized top-1 equal at {100 * top1:.1f} %; "
+                   f"states shifted by one: {100 * control:.0f} %",
+                   "|ΔKL| ≤ 5 % of the KL, the shifted control ≥ 5× that", kl=float(frame["kl"].mean()),
+                   kl_two_pass=base, gap=gap(frame), shifted_gap=control, top1_equal=top1)
+    same, total = result["grouped_same"], result["grouped_total"]
+    check.line("PASS" if same == total else "WARN", "one_prefill/grouped prefill decode",
+               f"{device.type} bf16, prompts prefilled one at a time then decoded together: {same} of {total} "
+               "tokens equal to one prefill of the batch (bf16 matmuls of other shapes may round a near-tie the "
+               "other way; fp32 on a CPU is exact, tests/test_generation.py)", "all equal", same=same, total=total)
+
+
 def moe_architecture(dry_run: bool, layers: int) -> Any:
     """The ledger's Qwen3-30B-A3B shapes with ``layers`` layers (the dry run: a tiny shrink of them)."""
     import dataclasses
@@ -675,6 +776,7 @@ def body(parsed: cli.Parsed[Options]) -> int:
         check.step("formats", lambda: section_formats(check, device))
         check.step("fp8_gemm", lambda: section_fp8_gemm(check, device, shape))
         check.step("generation", lambda: section_generation(check, device, shape))
+        check.step("one_prefill", lambda: section_one_prefill(check, device, shape))
         check.step("moe", lambda: section_moe(check, device))
         check.step("e2e", lambda: section_e2e(check, device_name, work))
         check.step("parity", lambda: section_parity(check, device_name, work))

@@ -8,8 +8,9 @@ Measures, on one torch thread and in one process (so the ratios are taken under 
   forward, both output heads and the per-token statistics);
 - ``stats``: the per-token statistics alone from given hidden states (both heads + KL / reverse
   KL / NLL / top-1), by the two-log-softmax computation (``two_pass``), by the fused one
-  (:func:`harness.divergence.scoring.token_statistics`) and by the fused one under
-  ``torch.compile`` (``compiled``).
+  (:func:`harness.divergence.scoring.token_statistics`: on a CPU in blocks of rows that stay in cache), by
+  the fused one with all of a chunk's rows as one block (``one_block``, checked bit for bit equal) and by the
+  fused one under ``torch.compile`` (``compiled``).
 
 It checks that the fused statistics equal the two-log-softmax ones to float tolerance on these
 texts (max |Δ| per column, top-1 agreement) and writes everything, with the machine, its load
@@ -239,6 +240,12 @@ def measure(name: str, options: Options, mods: dict[str, Any]) -> dict[str, Any]
         out["stats_fused_tok_s"] = scored / seconds
         out["fused_vs_two_pass"] = agreement(old, new)
         out["fused_vs_float64"] = agreement(exact, new)
+        one_block = getattr(scoring, "_token_statistics", None)  # the same, all rows of a chunk in one block
+        if one_block is not None:
+            seconds, whole = _timed(lambda: statistics(lambda hq, hp, t: one_block(head_q.logits(hq), head_p.logits(hp),
+                                                                                   t, False)))
+            out["stats_fused_one_block_tok_s"] = scored / seconds
+            out["fused_blocks_equal_one_block"] = all(torch.equal(a[k], b[k]) for a, b in zip(new, whole) for k in a)
         if options.compile:
             compiled = torch.compile(fused, dynamic=True)
             start = time.perf_counter()

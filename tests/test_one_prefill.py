@@ -17,6 +17,7 @@ import pytest
 import torch
 from scipy.special import log_softmax, rel_entr
 
+from harness.divergence import scoring
 from harness.divergence.scoring import (ServedText, compare_to_reference, final_hidden, score_reference,
                                         token_statistics)
 from harness.divergence.capture import CapturedPrompt, HiddenCapture
@@ -200,6 +201,30 @@ def test_fused_statistics_match_float64_softmaxes(dtype):
     assert (got["top1_quant"].numpy() == logq.argmax(-1)).all() and kl[2:].min() > 1e-5 and kl.mean() > 1e-3
     same = token_statistics(logits_p.clone(), logits_p.clone(), targets)  # identical logits: exactly 0
     assert (same["kl"] == 0).all() and (same["kl_reverse"] == 0).all()
+
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_statistics_in_blocks_of_rows_equal_one_block_bit_for_bit(monkeypatch, threads):
+    """On a CPU the statistics run in blocks of rows (cache-sized); every value equals the one-block computation's
+    exactly, whatever the block, the last block's size and the thread count."""
+    generator = torch.Generator().manual_seed(5)
+    logits_p = 5 * torch.randn(45, 3000, generator=generator)
+    logits_q = logits_p + 0.4 * torch.randn(45, 3000, generator=generator)
+    targets = torch.randint(0, 3000, (45,), generator=generator)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        whole = scoring._token_statistics(logits_q, logits_p, targets, True)
+        for rows in (1, 7, 16, 44):
+            monkeypatch.setattr(scoring, "CPU_STATISTICS_FLOATS", rows * 3000)
+            blocks = token_statistics(logits_q, logits_p, targets, reference_targets=True)
+            assert blocks.keys() == whole.keys()
+            assert all(torch.equal(blocks[key], whole[key]) for key in whole), rows
+        log_q, top1 = scoring.target_statistics(logits_q.clone(), targets)  # the reference-side twin, unblocked
+        assert torch.equal(log_q, blocks["logq_target"]) and torch.equal(top1, blocks["top1_quant"])
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.slow

@@ -137,16 +137,17 @@ def _counting(model, into: list[int]):
         int((kwargs.get("input_ids") if args == () else args[0]).numel())), with_kwargs=True)
 
 
-def test_replies_known_later_are_teacher_forced_from_held_prompt_caches(pair, answered):
-    """A slice answered before its reference exists: each batch's prompt KV cache is held, and the reference's
-    replies are teacher-forced from it once read; no prompt is run again, the numbers equal the two-pass ones."""
-    texts, ref_capture, _, replies, _ = answered
+def _held_and_compared(pair, answered, hold_bytes: int):
+    """The quantized side answers holding prompt caches within ``hold_bytes`` (no teacher: the replies are not known
+    yet), then teacher-forces the reference's replies from them; its answers, the capture, the texts and the token
+    counts of the forwards run after answering."""
+    texts, ref_capture, _, _, _ = answered
     reference, quantized = pair
     eos = {_answer(reference, None)[PROMPTS[0]][2]}  # as the fixture answered
-    held = HiddenCapture(hold_bytes=2**30)
-    own = _answer(quantized, held, eos=eos)  # no teacher: the replies are not known yet
+    held = HiddenCapture(hold_bytes=hold_bytes)
+    own = _answer(quantized, held, eos=eos)
     assert own == _answer(quantized, None, eos=eos)  # holding changes no answer
-    assert len(held.held) == len(BATCHES) and held.held_size > 0 and held.not_held == 0
+    counts = (len(held.held), held.held_size, held.not_held)
     scored = score_reference(reference, None, texts, max_tokens=64, store="hidden", captured=ref_capture)
     assert all(t.captured for t in scored)
     runs: list[int] = []
@@ -156,6 +157,15 @@ def test_replies_known_later_are_teacher_forced_from_held_prompt_caches(pair, an
         one = compare_to_reference(quantized, scored, "s", captured=held)
     finally:
         hook.remove()
+    return own, held, counts, runs, one
+
+
+def test_replies_known_later_are_teacher_forced_from_held_prompt_caches(pair, answered):
+    """A slice answered before its reference exists: each batch's prompt KV cache is held, and the reference's
+    replies are teacher-forced from it once read; no prompt is run again, the numbers equal the two-pass ones."""
+    texts, _, _, replies, _ = answered
+    own, held, (n_held, size, not_held), runs, one = _held_and_compared(pair, answered, 2**30)
+    assert n_held == len(BATCHES) and size > 0 and not_held == 0
     assert not held.held and held.held_size == 0
     # only the replies its own decode did not give are run (right-padded within PADDING), no prompt token
     needed = [len(replies[p]) - 1 for p in PROMPTS if own[p][:len(replies[p])] != replies[p] and len(replies[p]) >= 2]
@@ -164,20 +174,9 @@ def test_replies_known_later_are_teacher_forced_from_held_prompt_caches(pair, an
 
 
 def test_caches_beyond_the_budget_are_not_held_and_their_texts_run_again(pair, answered):
-    texts, ref_capture, _, _, _ = answered
-    reference, quantized = pair
-    eos = {_answer(reference, None)[PROMPTS[0]][2]}
-    held = HiddenCapture(hold_bytes=1)
-    _answer(quantized, held, eos=eos)
-    assert held.held == [] and held.not_held == len(BATCHES)
-    scored = score_reference(reference, None, texts, max_tokens=64, store="hidden", captured=ref_capture)
-    runs: list[int] = []
-    hook = _counting(quantized, runs)
-    try:
-        teacher_force_held(quantized, held, scored)
-        one = compare_to_reference(quantized, scored, "s", captured=held)
-    finally:
-        hook.remove()
+    texts = answered[0]
+    _, held, (n_held, _, not_held), runs, one = _held_and_compared(pair, answered, 1)
+    assert n_held == 0 and not_held == len(BATCHES)
     # the texts whose reply the model's own decode did not give are run whole; the others are not
     assert sum(runs) == sum(len(t.prompt_ids) + len(t.reply_ids) for t in texts
                             if held.states(t.prompt_ids, t.reply_ids) is None) > 0

@@ -9,7 +9,8 @@ from lm_eval.models.utils import postprocess_generated_text
 from harness.evaluation import evaluate
 from harness.job import identity
 from harness.models import loading as models
-from harness.evaluation.generation import greedy_generate
+from harness.evaluation.generation import (PREFILL_PADDING, PREFILL_TOKENS, greedy_generate, joins_caches,
+                                           prefill_groups)
 from harness.evaluation.slices import resolve
 
 TINY = ["model=tiny_random", "slices=[math]", "slices.math.n_items=18", "slices.math.divergence_texts=4",
@@ -184,7 +185,7 @@ def test_prompts_prefilled_in_groups_decode_as_one_batch_with_the_same_replies()
     from tests.conftest import perturbed_llama_pair
 
     _, model = perturbed_llama_pair(96, num_hidden_layers=2)
-    lengths, pad, new = [13, 11, 9, 7, 5, 3, 2], 0, 12
+    lengths, pad, new = [13, 13, 12, 9, 9, 9, 2], 0, 12  # groups of 3 rows within the padding bound, then 1
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(1, 96, (n,), generator=gen).tolist() for n in lengths]
     width = max(lengths)
@@ -212,6 +213,7 @@ def test_prompts_prefilled_in_groups_decode_as_one_batch_with_the_same_replies()
         assert got[row, width:width + end].tolist() == tokens[:end], row
         assert (got[row, width + end:] == pad).all(), row
     # three prefills (3 + 3 + 1 rows) and three teacher-forcing passes, then decode steps of all unfinished rows
+    assert prefill_groups(lengths, 3) == [(0, 3), (3, 6), (6, 7)]
     unfinished = sum(int(reply[0]) not in eos for reply in alone)  # rows still decoding after their first token
     assert rows_per_forward[:6] == [3, 3, 3, 3, 1, 1] and rows_per_forward[6] == unfinished > 3
     assert min(rows_per_forward[6:]) < len(prompts)  # finished rows still leave the batch
@@ -219,3 +221,88 @@ def test_prompts_prefilled_in_groups_decode_as_one_batch_with_the_same_replies()
         reply = teacher[tuple(prompt)]
         a, b = grouped.states(prompt, reply), whole.states(prompt, reply)
         assert a is not None and b is not None and torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+
+def test_prefill_groups_cut_where_padding_or_tokens_would_grow():
+    # long prompts alone; short ones together while the padding stays within PREFILL_PADDING
+    assert prefill_groups([1000, 990, 600, 120, 118, 117, 116, 115, 60], 8) == \
+        [(0, 1), (1, 2), (2, 3), (3, 8), (8, 9)]
+    assert prefill_groups([5, 5, 5, 5, 5], 2) == [(0, 2), (2, 4), (4, 5)]  # at most `rows` rows
+    assert prefill_groups([2000], 8) == [(0, 1)]  # one row past every bound still goes
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        lengths = sorted(torch.randint(1, 1500, (int(torch.randint(1, 70, (1,), generator=gen)),),
+                                       generator=gen).tolist(), reverse=bool(torch.randint(0, 2, (1,), generator=gen)))
+        rows = int(torch.randint(1, 12, (1,), generator=gen))
+        groups = prefill_groups(lengths, rows)
+        assert [a for a, _ in groups] == [0, *[b for _, b in groups[:-1]]] and groups[-1][1] == len(lengths)
+        for a, b in groups:
+            part = lengths[a:b]
+            assert b - a <= rows
+            assert b - a == 1 or (sum(part) <= PREFILL_TOKENS and len(part) * max(part) <= PREFILL_PADDING * sum(part))
+
+
+def test_groups_caches_are_released_once_joined(monkeypatch):
+    """Only the joined KV cache lives while decoding: the caches of the groups prefilled apart are freed."""
+    import weakref
+
+    from harness.evaluation import generation
+    from tests.conftest import perturbed_llama_pair
+
+    _, model = perturbed_llama_pair(96, num_hidden_layers=1)
+    lengths = [9, 9, 8, 8, 3, 3]
+    ids = torch.tensor([[0] * (9 - n) + list(range(1, n + 1)) for n in lengths])
+    mask = (ids > 0).long()
+    parts_keys: list = []
+    merge = generation._merge
+
+    def recording(parts):
+        parts_keys.extend(weakref.ref(part[0].layers[0].keys) for part in parts[1:])
+        return merge(parts)
+
+    monkeypatch.setattr(generation, "_merge", recording)
+    alive: list[int] = []
+    hook = model.register_forward_pre_hook(lambda _m, _a, kwargs: alive.append(
+        sum(ref() is not None for ref in parts_keys)) if kwargs["input_ids"].shape[1] == 1 else None, with_kwargs=True)
+    try:
+        greedy_generate(model, ids, mask, max_new_tokens=4, pad_token_id=0, eos_token_ids=set(), prefill_rows=2)
+    finally:
+        hook.remove()
+    assert len(parts_keys) == 2 and alive and max(alive) == 0
+
+
+def test_caches_that_cannot_be_joined_generate_batch_size_rows_at_a_time():
+    """A sliding-window model's caches cannot be joined: lm-eval's decode_rows chunk generates prefill_rows
+    (eval.batch_size) rows at a time, each group without the columns that pad all of its rows, and the result has
+    the chunk's layout (its prompt width) with each group's own tokens."""
+    from types import SimpleNamespace
+
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=4, num_key_value_heads=2, sliding_window=4,
+                                             max_position_embeddings=64)).eval()
+    assert not joins_caches(model)
+    cls = evaluate._harness_hflm()
+    lm = cls.__new__(cls)  # the generation methods only, around this model
+    lm._model, lm.tokenizer, lm.backend = model, SimpleNamespace(pad_token_id=0), "causal"
+    lm.prefill_rows, lm.hidden_capture, lm.teacher = 2, None, None
+    lengths, width, new = [11, 10, 6, 5, 3, 2], 11, 6
+    ids = torch.tensor([[0] * (width - n) + list(range(1, n + 1)) for n in lengths])
+    mask = (ids > 0).long()
+    shapes: list[tuple[int, int]] = []
+    hook = model.register_forward_pre_hook(lambda _m, _a, kwargs: shapes.append(tuple(kwargs["input_ids"].shape))
+                                           if kwargs["input_ids"].shape[1] > 1 else None, with_kwargs=True)
+    try:
+        out = lm._model_generate(ids, width + new, [], attention_mask=mask, do_sample=False)
+    finally:
+        hook.remove()
+    assert shapes == [(2, 11), (2, 6), (2, 3)]  # prefills of 2 rows, each as wide as its own longest prompt
+    assert torch.equal(out[:, :width], ids)
+    for a in range(0, 6, 2):
+        first = width - lengths[a]
+        alone = greedy_generate(model, ids[a:a + 2, first:], mask[a:a + 2, first:], max_new_tokens=new, pad_token_id=0,
+                                eos_token_ids=set())
+        assert torch.equal(out[a:a + 2, width:width + new], alone[:, lengths[a]:])

@@ -93,6 +93,7 @@ def _harness_hflm() -> type:
     from harness.evaluation.generation import (
         greedy_generate,
         halve_on_oom,
+        joins_caches,
         shared_context_logprobs,
         stack_generations,
     )
@@ -157,18 +158,36 @@ def _harness_hflm() -> type:
             mask = generation_kwargs.get("attention_mask")
 
             def rows(a: int, b: int):
-                kwargs = dict(generation_kwargs, attention_mask=mask[a:b]) if mask is not None else generation_kwargs
-                return self._generate_rows(context[a:b], max_length, stop, **kwargs)
+                ids, kwargs, first = context[a:b], generation_kwargs, 0
+                if mask is not None:
+                    if b - a < context.shape[0]:  # columns that pad every row of these: left out, put back after
+                        first = int((mask[a:b].sum(0) > 0).nonzero()[0])
+                    ids, kwargs = ids[:, first:], dict(generation_kwargs, attention_mask=mask[a:b, first:])
+                out = self._generate_rows(ids, max_length - first, stop, **kwargs)
+                return torch.nn.functional.pad(out, (first, 0), value=self.tokenizer.pad_token_id) if first else out
 
-            return halve_on_oom(rows, context.shape[0],
-                                lambda parts: stack_generations(parts, self.tokenizer.pad_token_id),
-                                what="generation requests")
+            def stack(parts):
+                return stack_generations(parts, self.tokenizer.pad_token_id)
+
+            total, step = context.shape[0], context.shape[0]
+            if self.prefill_rows and not self._decode_together(generation_kwargs):
+                step = self.prefill_rows  # HF generate, or caches that cannot be joined: batch_size rows at a time
+            return stack([halve_on_oom(lambda a, b, start=start: rows(start + a, start + b), min(step, total - start),
+                                       stack, what="generation requests") for start in range(0, total, step)])
+
+        def _decode_together(self, generation_kwargs) -> bool:
+            """Whether these requests take greedy_generate's grouped prefill and one joined decode."""
+            return self._greedy(generation_kwargs) and joins_caches(self.model)
+
+        def _greedy(self, generation_kwargs) -> bool:
+            greedy = not generation_kwargs.get("do_sample") and generation_kwargs.get("num_beams", 1) == 1
+            known = {"attention_mask", "do_sample", "temperature", "num_beams"}
+            return greedy and generation_kwargs.get("attention_mask") is not None \
+                and not set(generation_kwargs) - known and self.backend == "causal"
 
         def _generate_rows(self, context, max_length, stop, **generation_kwargs):
-            greedy = not generation_kwargs.get("do_sample") and generation_kwargs.get("num_beams", 1) == 1
             mask = generation_kwargs.get("attention_mask")
-            known = {"attention_mask", "do_sample", "temperature", "num_beams"}
-            if not greedy or mask is None or set(generation_kwargs) - known or self.backend != "causal":
+            if not self._greedy(generation_kwargs):
                 return super()._model_generate(context, max_length, stop, **generation_kwargs)
             return greedy_generate(self.model, context, mask, max_new_tokens=max_length - context.shape[1],
                                    pad_token_id=self.tokenizer.pad_token_id, stop=[s for s in stop if s],

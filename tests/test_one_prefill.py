@@ -183,6 +183,32 @@ def test_caches_beyond_the_budget_are_not_held_and_their_texts_run_again(pair, a
     assert _close(one, _two_pass(pair, texts))
 
 
+
+def test_a_held_batch_that_runs_out_of_cuda_memory_runs_its_texts_again(pair, answered, monkeypatch, caplog):
+    """Out of CUDA memory while teacher-forcing one held batch: that batch is let go with a warning, its texts run
+    again from their first token, the other batch is teacher-forced, and every number equals the two-pass one."""
+    from harness.evaluation import generation
+
+    texts = answered[0]
+    real, calls = generation._teacher_force, []
+
+    def first_fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(generation, "_teacher_force", first_fails)
+    with caplog.at_level("WARNING", logger="harness"):
+        _, held, _, runs, one = _held_and_compared(pair, answered, 2**30)
+    assert len(calls) == len(BATCHES) and "CUDA out of memory teacher-forcing" in caplog.text
+    assert not held.held and held.held_size == 0
+    again = [t for t in texts if held.states(t.prompt_ids, t.reply_ids) is None]
+    first = {tuple(p) for p in BATCHES[0]}
+    assert again and all(t.prompt_ids in first for t in again)  # only the first batch's texts run whole
+    assert sum(runs) >= sum(len(t.prompt_ids) + len(t.reply_ids) for t in again)
+    assert _close(one, _two_pass(pair, texts))
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_statistics_match_float64_softmaxes(dtype):
     generator = torch.Generator().manual_seed(3)

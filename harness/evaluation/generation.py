@@ -264,7 +264,9 @@ def _hold(capture: HiddenCapture, cache: Any, input_ids: Tensor, mask: Tensor, p
 @torch.inference_mode()
 def teacher_force_held(model: nn.Module, capture: HiddenCapture | None, teacher: Teacher) -> None:
     """Teacher-force the replies known now after the prompts whose KV caches ``capture`` holds (:func:`_hold`),
-    as :func:`greedy_generate` does right after a prefill when the replies are known then; frees the caches."""
+    as :func:`greedy_generate` does right after a prefill when the replies are known then; frees the caches.
+    A held batch that runs out of CUDA memory is let go: the replies it did not reach run again, whole, in the
+    divergence stage (with the same numbers)."""
     if capture is None or not capture.held:
         return
     seen: list[Tensor] = []
@@ -274,12 +276,29 @@ def teacher_force_held(model: nn.Module, capture: HiddenCapture | None, teacher:
         while capture.held:
             held = capture.held.pop(0)
             capture.held_size -= held.size
-            for layer, device in zip(held.cache.layers, held.devices):
-                layer.keys, layer.values = layer.keys.to(device), layer.values.to(device)
-            _teacher_force(model, held.cache, cache_kw, prefill_kw, held.input_ids.to(held.device),
-                           held.mask.to(held.device), held.positions.to(held.device), held.entries, teacher, seen)
+            if not _teacher_force_one(model, held, cache_kw, prefill_kw, teacher, seen):
+                log.warning("CUDA out of memory teacher-forcing the replies after %d held prompts; the texts it did "
+                            "not reach run again from their first token", len(held.entries))
+                seen.clear()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            del held
     finally:
         hook.remove()
+
+
+def _teacher_force_one(model: nn.Module, held: HeldPrefill, cache_kw: str, prefill_kw: dict, teacher: Teacher,
+                       seen: list[Tensor]) -> bool:
+    """One held batch's teacher forcing (its cache back on its devices); False when CUDA memory ran out."""
+    try:
+        for layer, device in zip(held.cache.layers, held.devices):
+            layer.keys, layer.values = layer.keys.to(device), layer.values.to(device)
+        _teacher_force(model, held.cache, cache_kw, prefill_kw, held.input_ids.to(held.device),
+                       held.mask.to(held.device), held.positions.to(held.device), held.entries, teacher, seen)
+        return True
+    except torch.cuda.OutOfMemoryError:
+        held.cache = None  # its layers on the device go with it
+        return False
 
 
 @torch.inference_mode()

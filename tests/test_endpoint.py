@@ -181,6 +181,20 @@ def test_a_server_killed_mid_run_is_named_with_its_exit(tmp_path):
         client.complete(prompt="x", max_tokens=1)
 
 
+
+def test_stopping_a_server_that_died_alone_stops_its_children(tmp_path):
+    """A server killed by itself (a crash) leaves its children (vLLM's engine core) in its process group; stopping
+    it ends them too."""
+    command = f"bash -c 'sleep 300 & exec {STUB}'"
+    served = ServedProcess(command, tmp_path / "serve.log", startup_timeout_s=60).start()
+    group = served.process.pid
+    served.process.kill()
+    served.process.wait()
+    os.killpg(group, 0)  # the child still runs
+    served.stop()
+    with pytest.raises(ProcessLookupError):
+        os.killpg(group, 0)
+
 @pytest.mark.slow
 def test_concurrent_generation_requests_give_the_same_records_in_order(tiny):
     """candidate.endpoint_concurrency > 1: requests overlap at the server, records stay item by item in process's."""

@@ -128,18 +128,24 @@ class ServedProcess:
                             f"{self.tail()}")
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
+        """SIGTERM, then SIGKILL, to the server's whole process group, until none of it is left: a server that
+        exited (or was killed) alone leaves its children behind (vLLM's engine core and workers, GBs of memory)."""
+        if self.process is None:
             return
+        group = self.process.pid  # start_new_session: the server leads its own process group
         for sig, wait_s in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
             try:
-                os.killpg(self.process.pid, sig)
+                os.killpg(group, sig)
             except ProcessLookupError:
                 return
-            try:
-                self.process.wait(timeout=wait_s)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline:
+                self.process.poll()  # reap the leader, so that only live members keep the group
+                try:
+                    os.killpg(group, 0)
+                except ProcessLookupError:
+                    return
+                time.sleep(0.1)
 
     def __enter__(self) -> "ServedProcess":
         return self.start()

@@ -172,8 +172,10 @@ def test_killed_job_resumes_from_its_checkpoint_and_logs_one_run(tmp_path, cache
     assert resumed["run_key"] == uninterrupted["run_key"]
     pd.testing.assert_frame_equal(pd.read_parquet(results_dir / "items.parquet"), uninterrupted_items)
     # Items restored from the checkpoint were answered by the killed process, so their token states were not
-    # kept for the divergence stage and are scored again: the same numbers to float rounding, not to the bit.
-    assert resumed["metrics"] == pytest.approx(uninterrupted["metrics"], rel=1e-5, abs=1e-9, nan_ok=True)  # measured: 1.01e-6 at most
+    # kept for the divergence stage and are scored again: the same numbers to float rounding, not to the bit. A
+    # per-token KL from float32 logits carries ~1e-6 of absolute rounding (logits ~10, eps 1.2e-7), which is
+    # relative error on the smallest ones (kl_min): measured 4.3e-7 absolute, 1.5e-5 relative at most.
+    assert resumed["metrics"] == pytest.approx(uninterrupted["metrics"], rel=1e-5, abs=1e-6, nan_ok=True)
     assert {k: v for k, v in resumed["metrics"].items() if "acc" in k or "flip" in k} == \
         {k: v for k, v in uninterrupted["metrics"].items() if "acc" in k or "flip" in k}
     assert not (results_dir / "checkpoint").exists()

@@ -91,6 +91,7 @@ def _harness_hflm() -> type:
     from lm_eval.models.huggingface import HFLM
 
     from harness.evaluation.generation import (
+        first_used_column,
         greedy_generate,
         halve_on_oom,
         joins_caches,
@@ -161,7 +162,7 @@ def _harness_hflm() -> type:
                 ids, kwargs, first = context[a:b], generation_kwargs, 0
                 if mask is not None:
                     if b - a < context.shape[0]:  # columns that pad every row of these: left out, put back after
-                        first = int((mask[a:b].sum(0) > 0).nonzero()[0])
+                        first = first_used_column(mask[a:b])
                     ids, kwargs = ids[:, first:], dict(generation_kwargs, attention_mask=mask[a:b, first:])
                 out = self._generate_rows(ids, max_length - first, stop, **kwargs)
                 return torch.nn.functional.pad(out, (first, 0), value=self.tokenizer.pad_token_id) if first else out

@@ -337,7 +337,7 @@ def _prefill(model: nn.Module, input_ids: Tensor, mask: Tensor, cache_kw: str, p
     """One group's prefill: (KV cache, mask, positions, last logits, capture entries); with ``trim``, the columns
     that pad every row of the group are dropped first. The capture's teacher-forcing or hold follows it."""
     if trim:
-        first = int((mask.sum(0) > 0).nonzero()[0])  # left padding: the first column some row uses
+        first = first_used_column(mask)
         input_ids, mask = input_ids[:, first:], mask[:, first:]
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
     cache = _new_cache(model)
@@ -373,6 +373,11 @@ def prefill_groups(lengths: Sequence[int], rows: int) -> list[tuple[int, int]]:
         groups.append((start, stop))
         start = stop
     return groups
+
+
+def first_used_column(mask: Tensor) -> int:
+    """The first column of a left-padded batch that some row uses (the columns before it pad every row)."""
+    return int((mask.sum(0) > 0).nonzero()[0])
 
 
 def joins_caches(model: nn.Module) -> bool:
@@ -429,7 +434,7 @@ def _greedy(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, max_new
     out = torch.full((batch, max_new_tokens), pad_token_id, dtype=input_ids.dtype, device=input_ids.device)
     mask = attention_mask.to(input_ids.device).long()
     cache_kw, prefill_kw = _forward_kwargs(model)
-    groups = prefill_groups(mask.sum(1).tolist(), prefill_rows) if prefill_rows and _mergeable(_new_cache(model)) \
+    groups = prefill_groups(mask.sum(1).tolist(), prefill_rows) if prefill_rows and joins_caches(model) \
         else [(0, batch)]
     parts = [_prefill(model, input_ids[a:b], mask[a:b], cache_kw, prefill_kw, capture, teacher, seen,
                       trim=b - a < batch)

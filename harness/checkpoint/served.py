@@ -81,6 +81,7 @@ class ServedProcess:
         self.secret_env = secret_env
         self.env = {**os.environ, **(env or {})}  # the server inherits the job's environment (and its key)
         self.process: subprocess.Popen | None = None
+        self.group_gone = False  # stop() saw none of the server's process group left
 
     @property
     def url(self) -> str:
@@ -130,13 +131,14 @@ class ServedProcess:
     def stop(self) -> None:
         """SIGTERM, then SIGKILL, to the server's whole process group, until none of it is left: a server that
         exited (or was killed) alone leaves its children behind (vLLM's engine core and workers, GBs of memory)."""
-        if self.process is None:
+        if self.process is None or self.group_gone:  # once gone, its number may be another group's
             return
         group = self.process.pid  # start_new_session: the server leads its own process group
         for sig, wait_s in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
             try:
                 os.killpg(group, sig)
             except ProcessLookupError:
+                self.group_gone = True
                 return
             deadline = time.monotonic() + wait_s
             while time.monotonic() < deadline:
@@ -144,6 +146,7 @@ class ServedProcess:
                 try:
                     os.killpg(group, 0)
                 except ProcessLookupError:
+                    self.group_gone = True
                     return
                 time.sleep(0.1)
 

@@ -59,6 +59,34 @@ def test_gguf_is_dequantized_once_then_loaded_from_the_cache(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_cold_gguf_load_parses_the_file_once_and_equals_transformers_own_load(tmp_path, monkeypatch):
+    """transformers parses a GGUF for the config, the weights and the tokenizer; the cold load memoizes the
+    parse (models.gguf_parsed_once): one parse, and the same weights and token ids as transformers' own
+    unmemoized load, which parses the file again after the block (the memo ends with it)."""
+    import gguf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    parses = []
+    reader = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda path, *args, **kwargs: parses.append(str(path))
+                        or reader(path, *args, **kwargs))
+    cfg = load_model_config("smollm2_135m")
+    cold = models.load(cfg, tmp_path)
+    assert "dequantize_gguf_s" in cold.timings
+    assert len(parses) == 1, parses
+    path, _ = models._gguf_source(cfg)
+    own = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    own_tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    assert len(parses) >= 3  # outside the block every read parses again
+    ours, theirs = cold.model.state_dict(), own.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours)
+    text = "Déjà vu: 12,345 naïve cafés — 東京 🚀\n\tdef f(x): return x**2"
+    assert cold.tokenizer(text)["input_ids"] == own_tokenizer(text)["input_ids"]
+    assert gguf.get_tensor_name_map is not None and not hasattr(gguf.get_tensor_name_map, "cache_info")
+
+
+@pytest.mark.slow
 def test_gemma_package_loads_through_the_same_path(shared_model_cache, tmp_path):
     (tmp_path / "models").symlink_to(shared_model_cache)
     loaded = models.load(load_model_config("gemma3_270m"), tmp_path)

@@ -10,7 +10,9 @@ natively bf16 checkpoint.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import logging
@@ -147,6 +149,42 @@ def _strip_gguf_quantizer(model: torch.nn.Module) -> None:
         del model.config.quantization_config
 
 
+@contextlib.contextmanager
+def gguf_parsed_once() -> Any:
+    """Within the block, each GGUF file is parsed once and gguf's tensor-name map built once per architecture.
+
+    transformers reads a GGUF three times on a cold load (the config, the weights, the tokenizer), and each
+    parse walks every metadata field (SmolLM2's 49k-token vocabulary and its merges: ~4 s); and it builds
+    gguf's name map again for every module of the model (~400 times, ~5 s in all). Both are pure functions
+    of their arguments, read only by their callers, so this block memoizes them: the weights and tokenizer
+    are the same objects' reads, and SmolLM2's cold load takes 5-7 s instead of 17 (transformers' own,
+    measured one after the other here; docs/benchmarks/default-job-speed.md). Without the gguf package, or
+    with one that lacks either name, the block changes nothing.
+    """
+    try:
+        import gguf
+    except ImportError:
+        yield
+        return
+    reader, name_map = getattr(gguf, "GGUFReader", None), getattr(gguf, "get_tensor_name_map", None)
+    if reader is None or name_map is None:
+        yield
+        return
+    parsed: dict[tuple, Any] = {}
+
+    def parse_once(path: Any, *args: Any, **kwargs: Any) -> Any:
+        key = (os.fspath(path), args, tuple(sorted(kwargs.items())))
+        if key not in parsed:
+            parsed[key] = reader(path, *args, **kwargs)
+        return parsed[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = parse_once, functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+
+
 def _load_gguf(cfg: ModelConfig, cache: Cache, timings: dict[str, float]) -> tuple[Any, Any, dict]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -160,9 +198,10 @@ def _load_gguf(cfg: ModelConfig, cache: Cache, timings: dict[str, float]) -> tup
             if not path.exists():
                 module = importlib.import_module(cfg.path)
                 path = Path(module.assemble())
-            model = AutoModelForCausalLM.from_pretrained(
-                str(path.parent), gguf_file=path.name, dtype=torch.float32)
-            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            with gguf_parsed_once():
+                model = AutoModelForCausalLM.from_pretrained(
+                    str(path.parent), gguf_file=path.name, dtype=torch.float32)
+                tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
             _strip_gguf_quantizer(model)
             with cache.writing("models", entry_key) as tmp:
                 model.save_pretrained(tmp)

@@ -12,11 +12,12 @@ from __future__ import annotations
 import copy
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from scipy.special import log_softmax, rel_entr
 
-from harness.divergence.scoring import compare_to_reference, score_reference
+from harness.divergence.scoring import OutputHead, compare_to_reference, score_reference
 
 VOCAB = 96
 
@@ -121,6 +122,49 @@ def test_hidden_state_store_is_exact_and_small(llama_pair):
     same = compare_to_reference(reference, score_reference(reference, CharTokenizer(), TEXTS, max_tokens=512,
                                                            store="hidden"), "s")
     assert (same["kl"] == 0).all() and (same["kl_reverse"] == 0).all()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+@torch.no_grad()
+def test_a_head_into_a_reused_buffer_gives_the_heads_own_values(bias, softcap):
+    """OutputHead.logits(out=buffer) writes a plain float32 head's logits into the buffer's first rows: bit for
+    bit the head's own forward (+ soft-cap), chunk after chunk through one buffer; a head it cannot run that way
+    (bf16, another vocabulary) leaves the buffer alone and computes as before."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, VOCAB, bias=bias)
+    head = OutputHead(linear, softcap)
+    buffer = torch.full((512, VOCAB), float("nan"))
+    for rows in (512, 37, 300):
+        hidden = torch.randn(rows, 64) * 4
+        expected = linear(hidden)
+        if softcap:
+            expected = torch.tanh(expected / softcap) * softcap
+        got = head.logits(hidden, out=buffer)
+        assert got.data_ptr() == buffer.data_ptr() and got.shape == (rows, VOCAB)
+        assert torch.equal(got, expected)
+        assert torch.equal(got, head.logits(hidden))
+    other = torch.zeros(512, VOCAB + 1)
+    assert torch.equal(head.logits(hidden, out=other), expected) and not other.any()
+    half = OutputHead(copy.deepcopy(linear).bfloat16(), softcap)
+    untouched = buffer.clone()
+    assert torch.equal(half.logits(hidden, out=buffer), half.logits(hidden)) and torch.equal(buffer, untouched)
+
+
+def test_comparing_through_reused_buffers_equals_fresh_logits(llama_pair, monkeypatch):
+    """The divergence stage's reused logit buffers change no value: every column equals a comparison that
+    allocates each chunk's logits afresh, on texts of several chunks (CHUNK rows each) and of one."""
+    from harness.divergence import scoring
+
+    reference, quantized = llama_pair
+    texts = [*TEXTS, "The river had changed its course twice in living memory. " * 20]
+    assert len(CharTokenizer()(texts[-1], max_length=4096)["input_ids"][0]) > 2 * scoring.CHUNK
+    reused = compare_to_reference(quantized, score_reference(reference, CharTokenizer(), texts, max_tokens=4096,
+                                                             store="hidden"), "s")
+    monkeypatch.setattr(scoring, "_logit_buffers", lambda head, device: (None, None))
+    fresh = compare_to_reference(quantized, score_reference(reference, CharTokenizer(), texts, max_tokens=4096,
+                                                            store="hidden"), "s")
+    pd.testing.assert_frame_equal(reused, fresh, check_exact=True)
 
 
 def _bf16_step(values: torch.Tensor, fraction: float, seed: int = 0) -> torch.Tensor:

@@ -83,7 +83,7 @@ def test_a_cold_gguf_load_parses_the_file_once_and_equals_transformers_own_load(
     assert all(torch.equal(ours[name], theirs[name]) for name in ours)
     text = "Déjà vu: 12,345 naïve cafés — 東京 🚀\n\tdef f(x): return x**2"
     assert cold.tokenizer(text)["input_ids"] == own_tokenizer(text)["input_ids"]
-    assert gguf.get_tensor_name_map is not None and not hasattr(gguf.get_tensor_name_map, "cache_info")
+    assert gguf.get_tensor_name_map.__name__ == "get_tensor_name_map"  # the block restored it
 
 
 @pytest.mark.slow

@@ -73,8 +73,8 @@ class OutputHead(nn.Module):
 
         ``out``: a float32 [rows >= len(hidden), vocabulary] buffer on the head's device that a plain float32
         linear head writes into (its first rows; the result is a view of them). On a CPU a fresh 100 MB
-        logits tensor per chunk costs its page faults each time: reusing one makes the divergence stage's
-        heads ~15 % faster (benchmarks/bench_divergence.py), with the same kernel and the same values.
+        logits tensor per chunk costs its page faults each time: reusing one makes the divergence stage about
+        10 % faster (docs/benchmarks/default-job-speed.md), with the same kernel and the same values.
         Another head (a quantized module, another dtype) or a forward under autograd ignores it."""
         weight = next(self.lm_head.parameters())
         hidden = hidden.to(device=module_device(self.lm_head), dtype=weight.dtype)

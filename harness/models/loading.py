@@ -1,6 +1,6 @@
 """Model sources: a hub id or local directory, the packaged GGUF models, a tiny random model.
 
-GGUF files are dequantized by transformers on load (tens of seconds), so the dequantized
+GGUF files are dequantized by transformers on load (seconds to minutes), so the dequantized
 weights are saved once as safetensors under ``<cache>/models/<sha256 of the GGUF>/`` and
 later loads read that directory in a fraction of a second. Note that both packaged models
 ship 4-bit weights (Q4_1, Q4_K_M): the "unquantized reference" is the dequantized fp32
@@ -178,7 +178,15 @@ def gguf_parsed_once() -> Any:
             parsed[key] = reader(path, *args, **kwargs)
         return parsed[key]
 
-    gguf.GGUFReader, gguf.get_tensor_name_map = parse_once, functools.lru_cache(maxsize=None)(name_map)
+    built = functools.lru_cache(maxsize=None)(name_map)
+
+    def name_map_once(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return built(*args, **kwargs)
+        except TypeError:  # an argument that cannot be a key: built as before
+            return name_map(*args, **kwargs)
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = parse_once, name_map_once
     try:
         yield
     finally:

@@ -164,8 +164,7 @@ def gguf_parsed_once() -> Any:
     try:
         import gguf
     except ImportError:
-        yield
-        return
+        gguf = None
     reader, name_map = getattr(gguf, "GGUFReader", None), getattr(gguf, "get_tensor_name_map", None)
     if reader is None or name_map is None:
         yield

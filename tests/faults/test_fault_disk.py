@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import re
+import shlex
 import shutil
 import sqlite3
 import subprocess
@@ -120,6 +121,15 @@ def test_the_issues_60kb_results_disk_is_refused_at_start(tmp_path, cache_dir):
     assert "Traceback" not in out.stderr
 
 
+# exits 0 once a checkpoint under argv[1] holds a stored request (read-only: the job is writing it)
+STORED = "-c " + shlex.quote(
+    "import glob, sqlite3, sys\n"
+    "paths = glob.glob(sys.argv[1] + '/*/checkpoint/*_rank*.db')\n"
+    "rows = sum(sqlite3.connect(f'file:{p}?mode=ro', uri=True).execute('SELECT COUNT(*) FROM unnamed').fetchone()[0]"
+    " for p in paths)\n"
+    "sys.exit(0 if rows else 1)")
+
+
 @needs_tmpfs
 @pytest.mark.slow
 def test_a_disk_that_fills_up_mid_job_ends_in_one_line_and_a_rerun_resumes(tmp_path, cache_dir):
@@ -128,8 +138,8 @@ def test_a_disk_that_fills_up_mid_job_ends_in_one_line_and_a_rerun_resumes(tmp_p
             "runtime.reference_process=false", "eval.batch_size=1"]
     cmd = " ".join([sys.executable, "-m", "harness", *args, "paths.results_dir=$R/results"])
     out = _in_tmpfs(tmp_path, "48m", f"""
-        ( while ! ls $R/results/*/checkpoint/*_rank0.db >/dev/null 2>&1; do sleep 0.05; done
-          sleep 0.5; cat /dev/zero > $R/filler 2>/dev/null ) &
+        ( until [ -e {tmp_path}/codes ] || {sys.executable} {STORED} "$R/results" 2>/dev/null; do sleep 0.1; done
+          [ -e {tmp_path}/codes ] || cat /dev/zero > $R/filler 2>/dev/null ) &
         {cmd} > {tmp_path}/first.out 2> {tmp_path}/first.err
         echo "first=$?" > {tmp_path}/codes
         wait

@@ -121,13 +121,23 @@ def test_the_issues_60kb_results_disk_is_refused_at_start(tmp_path, cache_dir):
     assert "Traceback" not in out.stderr
 
 
-# exits 0 once a checkpoint under argv[1] holds a stored request (read-only: the job is writing it)
-STORED = "-c " + shlex.quote(
-    "import glob, sqlite3, sys\n"
-    "paths = glob.glob(sys.argv[1] + '/*/checkpoint/*_rank*.db')\n"
-    "rows = sum(sqlite3.connect(f'file:{p}?mode=ro', uri=True).execute('SELECT COUNT(*) FROM unnamed').fetchone()[0]"
-    " for p in paths)\n"
-    "sys.exit(0 if rows else 1)")
+# exits 0 once a math checkpoint under the results directory argv[1] holds a stored request, 1 once the job has
+# ended (the file argv[2] exists) without one
+WAIT_FOR_STORED = shlex.quote(textwrap.dedent("""
+    import sqlite3, sys, time
+    from pathlib import Path
+    from harness.evaluation.evaluate import checkpoint_rows
+    results, ended = Path(sys.argv[1]), Path(sys.argv[2])
+    while True:
+        try:
+            if any(checkpoint_rows(run / "math") for run in results.glob("*/checkpoint")):
+                sys.exit(0)
+        except sqlite3.DatabaseError:  # a file the job is still creating: read it again
+            pass
+        if ended.exists():
+            sys.exit(1)
+        time.sleep(0.05)
+"""))
 
 
 @needs_tmpfs
@@ -138,8 +148,7 @@ def test_a_disk_that_fills_up_mid_job_ends_in_one_line_and_a_rerun_resumes(tmp_p
             "runtime.reference_process=false", "eval.batch_size=1"]
     cmd = " ".join([sys.executable, "-m", "harness", *args, "paths.results_dir=$R/results"])
     out = _in_tmpfs(tmp_path, "48m", f"""
-        ( until [ -e {tmp_path}/codes ] || {sys.executable} {STORED} "$R/results" 2>/dev/null; do sleep 0.1; done
-          [ -e {tmp_path}/codes ] || cat /dev/zero > $R/filler 2>/dev/null ) &
+        ( {sys.executable} -c {WAIT_FOR_STORED} $R/results {tmp_path}/codes && cat /dev/zero > $R/filler 2>/dev/null ) &
         {cmd} > {tmp_path}/first.out 2> {tmp_path}/first.err
         echo "first=$?" > {tmp_path}/codes
         wait

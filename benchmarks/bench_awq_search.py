@@ -34,7 +34,7 @@ from harness.config import REPO_DIR, CalibrationConfig, load_model_config
 from harness.quant import awq
 from harness.quant.base import QuantReport, target_linears
 from harness.quant.calibration import calibration_tokens
-from harness.quant.tensor import fake_quantize
+from harness.quant.format_table import fake_quantize
 
 
 def _bench_gptq_awq():

@@ -35,7 +35,7 @@ from harness.results import report
 from harness.divergence import token_stats
 from harness.config import REPO_DIR, compose
 from harness.job.identity import to_config
-from harness.decision.quant_report import prepare
+from harness.sizing.report_quant import prepare
 from harness.results.summary import Comparison
 
 EDGES = [0, 128, 512, 1024, 2048, 4096]  # the last bucket, [4096, inf), holds 4k-8k at --max-tokens 8192

@@ -64,7 +64,7 @@ from harness.divergence.router import (
 from harness.job.identity import to_config
 from harness.quant import gptq as gptq_module
 from harness.quant.experts import find_fused_experts, fuse_experts, unfuse_experts
-from harness.quant.tensor import SchemeError
+from harness.quant.format_table import SchemeError
 
 RESULTS = Path(__file__).resolve().parent / "results"
 COVERAGE_MODELS = ("qwen3_moe", "olmoe", "gpt_oss", "mixtral", "gpt2")

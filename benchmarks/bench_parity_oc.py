@@ -10,7 +10,7 @@ distribution with intra-cluster correlation ρ, and both outcomes of an item dep
 change disturbs is more likely to be disturbed by the other), so the two outcomes are positively correlated as
 on real items. The floor disagrees at rate p; the simulation-vs-served pair at p (null: the false-flag rate)
 or p + e (power at excess e). The decision is the one the command makes
-(:func:`harness.compare.parity.excess_over_floor`: the interval of the agreement difference lies below 0),
+(:func:`harness.compare.parity_table.excess_over_floor`: the interval of the agreement difference lies below 0),
 at ci_level 0.95, so the false-flag rate must stay at or below 0.025 within Monte-Carlo error.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness import cli  # noqa: E402
-from harness.compare.parity import excess_over_floor  # noqa: E402
+from harness.compare.parity_table import excess_over_floor  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -2,7 +2,7 @@
 
 A served candidate gives only its top-k log-probs per position, so the harness reports KL on the
 top-k partition (each of the server's top-k tokens a cell, the rest lumped): a lower bound of the
-exact KL(reference ‖ candidate) (harness.divergence.served). Here both full distributions are local
+exact KL(reference ‖ candidate) (harness.divergence.topk_bound). Here both full distributions are local
 (the reference and the harness's own simulation of a scheme), so the exact KL and the bound of the
 *same* distributions are both computed, on the served texts of each slice: the items' prompts as
 evaluated (chat template) followed by the reference's own greedy reply, exactly the texts a served
@@ -29,7 +29,7 @@ import torch
 from harness import quant
 from harness.config import REPO_DIR, compose, load_model_config
 from harness.divergence import scoring as divergence
-from harness.divergence.served import partition_kl
+from harness.divergence.topk_bound import partition_kl
 from harness.evaluation import evaluate
 from harness.evaluation.slices import resolve
 from harness.job.identity import (

@@ -309,7 +309,7 @@ def section_schemes(check: Check, device: torch.device, shape: dict, cache_dir: 
 
 def section_formats(check: Check, device: torch.device) -> None:
     from harness.config import TensorQuantConfig
-    from harness.quant.tensor import fake_quantize
+    from harness.quant.format_table import fake_quantize
     x = torch.randn(512, 2048, generator=torch.Generator().manual_seed(2)) * torch.linspace(0.1, 4, 2048)
     for name, spec in FORMATS.items():
         def one(name: str = name, spec: dict = spec) -> None:
@@ -562,7 +562,7 @@ def moe_architecture(dry_run: bool, layers: int) -> Any:
     """The ledger's Qwen3-30B-A3B shapes with ``layers`` layers (the dry run: a tiny shrink of them)."""
     import dataclasses
 
-    from harness.decision.ledger import known_architectures
+    from harness.sizing.ledger import known_architectures
     arch = known_architectures()[MOE_ENTRY]
     return dataclasses.replace(arch, **TINY_MOE) if dry_run else dataclasses.replace(arch, layers=layers)
 
@@ -598,7 +598,7 @@ def section_moe(check: Check, device: torch.device) -> None:
     import harness
     from harness import quant
     from harness.config import compose
-    from harness.decision.ledger import REFERENCE_BITS, decode_read_bytes, expert_bits, scheme_weight_bytes
+    from harness.sizing.ledger import REFERENCE_BITS, decode_read_bytes, expert_bits, scheme_weight_bytes
     from harness.job.pipeline import to_config
     from harness.quant.experts import find_fused_experts
     opts = check.options
@@ -728,7 +728,7 @@ def section_parity(check: Check, device: str, work: Path) -> None:
     python; skipped on the CPU dry run (the CPU engine has its own test tier)."""
     import importlib.util
 
-    from harness.job import parity
+    from harness.job import parity_runs as parity
 
     if check.options.dry_run or importlib.util.find_spec("vllm") is None:
         check.line("INFO", "parity", "skipped: " + ("dry run" if check.options.dry_run else "vllm is not installed here"),

@@ -88,7 +88,7 @@ class CandidateConfig:
 class TensorQuantConfig:
     """How one kind of tensor (weights, activations, keys, values) is quantized."""
 
-    format: str = "int"  # int | fp8_e4m3 | fp8_e5m2 | nvfp4 | mxfp4 | mxfp8 (table in harness.quant.tensor)
+    format: str = "int"  # int | fp8_e4m3 | fp8_e5m2 | nvfp4 | mxfp4 | mxfp8 (table in harness.quant.format_table)
     bits: int = 8  # int only
     symmetric: bool = True  # int only; asymmetric adds a zero point per group
     # int, symmetric only: restricted (scale amax/(2^(b-1)-1), codes ±(2^(b-1)-1), the harness's default)
@@ -252,7 +252,7 @@ class EvalConfig:
     # always runs to the cap: the test suite's tiny jobs use it.
     max_gen_toks: Optional[int] = None
     position_buckets: list[int] = field(default_factory=lambda: [0, 128, 512, 1024, 2048, 4096, 8192])
-    # Sequential evaluation (harness.evaluation.sequential): the candidate answers each slice's items in rounds of
+    # Sequential evaluation (harness.evaluation.sequential_run): the candidate answers each slice's items in rounds of
     # whole clusters (seeded random order) and a slice stops once its anytime-valid confidence sequence
     # settles the gate's decision (pass / fail at gate.alpha and the slice's margin); off by default.
     sequential: bool = False

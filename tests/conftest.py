@@ -156,7 +156,7 @@ def quantized_tiny(name: str, *extra: str) -> tuple[Any, Any, dict, list]:
     from omegaconf import OmegaConf
 
     from harness import quant
-    from harness.decision.quant_report import prepare
+    from harness.sizing.report_quant import prepare
     from harness.quant.base import target_linears
 
     cfg = OmegaConf.to_object(compose([f"quant={name}", "model=tiny_random", "quant.calibration.num_samples=8",

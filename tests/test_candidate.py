@@ -20,7 +20,7 @@ def exported(tmp_path_factory):
     from harness import quant
     from harness.checkpoint import export
     from harness.quant.base import target_linears
-    from harness.decision.quant_report import prepare
+    from harness.sizing.report_quant import prepare
 
     cfg = OmegaConf.to_object(compose(["quant=int4_g128", "model=tiny_random"]))
     prepared = prepare(cfg)
@@ -160,7 +160,7 @@ def test_export_and_candidate_count_kept_linears_alike(tmp_path):
     from harness import quant
     from harness.checkpoint import export
     from harness.quant.base import target_linears
-    from harness.decision.quant_report import prepare
+    from harness.sizing.report_quant import prepare
 
     cfg = OmegaConf.to_object(compose(["quant=int4_g128", "model=tiny_random", f"paths.cache_dir={tmp_path}",
                                        "quant.keep=[lm_head,'*embed*','model.layers.0.*']"]))

@@ -10,7 +10,7 @@ from harness.infra import devices
 from harness.models import loading as models
 from harness.job import pipeline as run_mod
 from harness.config import ModelConfig, compose, load_model_config
-from harness.quant import adapters
+from harness.quant import architectures as adapters
 
 
 @pytest.mark.parametrize("spec, expected", [

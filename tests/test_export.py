@@ -315,7 +315,7 @@ def _ct_nvfp4(x: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
 def test_harness_nvfp4_equals_compressed_tensors_at_e4m3_ties():
     """A block whose scale gs·(amax/6) is exactly halfway between two E4M3 values: computed as (gs·amax)/6 it
     can land an ulp off the tie and round the other way (seen on SmolLM2's activations)."""
-    from harness.quant.formats import nvfp4_quantize
+    from harness.quant.format_math import nvfp4_quantize
 
     g = torch.Generator().manual_seed(0)
     for _ in range(10000):

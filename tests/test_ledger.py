@@ -9,7 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from harness import quant
-from harness.decision import ledger
+from harness.sizing import ledger
 from harness.config import REPO_DIR, compose
 from harness.quant.base import LayerReport, QuantReport
 
@@ -70,7 +70,7 @@ def test_shapes_alone_give_the_weight_bytes_a_real_quantization_measured():
 
 @pytest.mark.slow
 def test_shapes_match_a_real_quantized_tiny_model_and_its_kv_scheme(tmp_path):
-    from harness.decision.quant_report import prepare
+    from harness.sizing.report_quant import prepare
 
     cfg = OmegaConf.to_object(compose(["model=tiny_random", "quant=int4_g128_kv8", f"paths.cache_dir={tmp_path}"]))
     prepared = prepare(cfg)
@@ -184,7 +184,7 @@ def test_a_tied_embedding_is_read_whole_as_the_output_head():
 def test_kept_linears_count_at_16_bits_in_the_summary_the_ledger_and_the_70b_extrapolation(tmp_path):
     """A mixed scheme (two blocks kept) on the tiny model: the run summary's bits per weight (from the modules
     quant.apply walked) equal the ledger's (from shapes alone) and a hand count; the 70B row uses them."""
-    from harness.decision.quant_report import prepare
+    from harness.sizing.report_quant import prepare
 
     keep = ["lm_head", "*embed*", "model.layers.0.*"]
     cfg = OmegaConf.to_object(compose(["model=tiny_random", "quant=int4_g128", f"quant.keep={keep}",

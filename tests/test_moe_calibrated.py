@@ -13,7 +13,7 @@ from harness.quant.awq import candidate_scales, quantize_awq
 from harness.quant.base import QuantReport
 from harness.quant.experts import MoEQuantConfig, fuse_experts, unfuse_experts
 from harness.quant.gptq import gptq_quantize_weight, quantize_gptq
-from harness.quant.tensor import fake_quantize
+from harness.quant.format_table import fake_quantize
 from moe_models import build, plain_expert_matrices
 
 SPEC = TensorQuantConfig(format="int", bits=4, granularity="group", group_size=32)

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from harness import quant
 from harness.config import QuantConfig, TensorQuantConfig
 from harness.quant.coverage import KEPT, NOT_COVERED, QUANTIZED, check_coverage
-from harness.quant.tensor import SchemeError, storage_bits
+from harness.quant.format_table import SchemeError, storage_bits
 from moe_models import build
 
 INT4 = TensorQuantConfig(format="int", bits=4, granularity="group", group_size=32)

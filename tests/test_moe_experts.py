@@ -11,7 +11,7 @@ from harness import quant
 from harness.config import QuantConfig, TensorQuantConfig
 from harness.quant.experts import (MoEQuantConfig, UnfusedExperts, find_fused_experts, find_routers, fuse_experts,
                                    unfuse_experts)
-from harness.quant.tensor import fake_quantize
+from harness.quant.format_table import fake_quantize
 from moe_models import MOE_TYPES, build, plain_expert_matrices
 
 SPECS = {

@@ -9,7 +9,7 @@ from fractions import Fraction
 import pytest
 
 from harness.config import QuantConfig, TensorQuantConfig
-from harness.decision.ledger import Architecture, build_ledger, known_architectures
+from harness.sizing.ledger import Architecture, build_ledger, known_architectures
 
 
 def test_qwen3_30b_a3b_total_and_active_by_hand() -> None:

@@ -20,7 +20,7 @@ from harness.planning.recommend import (
 )
 from harness.planning.sensitivity import layer_sensitivity, sensitivity_units
 from harness.quant.experts import find_fused_experts
-from harness.quant.tensor import fake_quantize
+from harness.quant.format_table import fake_quantize
 
 INT4_G32 = TensorQuantConfig(format="int", bits=4, granularity="group", group_size=32)
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "12 + 7 * 3 = 33, and 40 - 8 = 32."]
@@ -191,7 +191,7 @@ def test_recommend_on_a_tiny_moe_checkpoint_end_to_end(make_cfg, tmp_path, cache
     weight equal the applied scheme's (routers counted at 16 in both), the YAML selects the chosen units."""
     import pandas as pd
 
-    from harness.decision.quant_report import prepare
+    from harness.sizing.report_quant import prepare
     from harness.planning import recommend
     from harness.planning.sensitivity import target_matrices
     from test_moe_job import TINY, checkpoint

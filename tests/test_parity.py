@@ -1,4 +1,4 @@
-"""Simulation against served (harness.compare.parity, python -m harness.parity) on hand-built runs.
+"""Simulation against served (harness.compare.parity_table, python -m harness.parity) on hand-built runs.
 
 Every number is checked against a count made here from the items, not by the module's own code.
 """
@@ -10,10 +10,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from harness.compare.parity import ParityInputs, agreement_frame, parity_table
+from harness.compare.parity_table import ParityInputs, agreement_frame, parity_table
 from harness.compare.sources import RunData, load_results_dir
 from harness.errors import UsageError
-from harness.job import parity as parity_cli
+from harness.job import parity_runs as parity_cli
 
 
 def _items(n: int, seed: int, flip: float, answers: np.ndarray | None = None) -> pd.DataFrame:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from harness.job import parity
+from harness.job import parity_runs as parity
 from tests.test_endpoint_vllm import ENGINE_ENV, ENGINE_PYTHON, ITEMS, _engine
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ the two sides exchange an HF checkpoint and safetensors files. Each tool's dequa
 checked against its own documented convention, re-implemented here from the formulas (independent
 of both tools), so every difference between them is accounted for:
 
-- harness (``harness.quant.formats.int_qparams``): ``s = amax / 7``, codes ``round(w / s)`` clamped
+- harness (``harness.quant.format_math.int_qparams``): ``s = amax / 7``, codes ``round(w / s)`` clamped
   to ``[-7, 7]`` (restricted symmetric range);
 - compressed-tensors 0.19 (``calculate_qparams`` + ``calculate_range``, used by llm-compressor's
   memoryless min-max observer): ``s = amax / ((qmax - qmin) / 2) = amax / 7.5``, codes
@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 from harness import quant
 from harness.models import loading as models
 from harness.config import REPO_DIR, compose
-from harness.quant import formats
+from harness.quant import format_math as formats
 from tests.conftest import require_venv
 
 PEER_PYTHON = Path(os.environ.get("HARNESS_PEER_VENV", REPO_DIR / ".venv-peer")) / "bin" / "python"

@@ -126,7 +126,7 @@ def test_a_gpu_sweep_is_planned_on_a_machine_without_cuda_or_hub_loading_nothing
 
 
 def test_a_model_larger_than_one_gpu_is_planned_with_a_note(monkeypatch, cache_dir):
-    from harness.decision import ledger
+    from harness.sizing import ledger
 
     monkeypatch.setattr(plan_mod.torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(plan_mod, "_tokenizer_for", lambda model, cache: object())  # the tokenizer is not the point

@@ -124,7 +124,7 @@ def test_below_frontier():
 @pytest.mark.slow
 def test_recommendation_on_the_tiny_model_end_to_end(make_cfg, tmp_path):
     from harness.quant.base import target_linears
-    from harness.decision.quant_report import prepare
+    from harness.sizing.report_quant import prepare
 
     cfg = OmegaConf.to_object(make_cfg(*TINY_MATH, "quant=int4_g128", "tracking.enabled=false"))
     options = recommend.RecommendOptions(budget=recommend.Budget(bits=8.0), granularity="linear", texts=2,

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from harness.quant.base import LayerReport, QuantReport
-from harness.decision.quant_report import (GPU_BANDWIDTH, decode_floor_metrics, decode_floor_ms, decode_floor_table, main,
+from harness.sizing.report_quant import (GPU_BANDWIDTH, decode_floor_metrics, decode_floor_ms, decode_floor_table, main,
                                   parse_gpus)
 
 GPUS = {"H100": 3.35e12, "H200": 4.8e12}
@@ -98,7 +98,7 @@ def test_cli_on_tiny_model_writes_tables_with_correct_sqnr(tmp_path, cache_dir):
 
 
 def test_cli_typos_fail_at_start_in_one_line(tmp_path, capsys, monkeypatch):
-    from harness.decision import quant_report as report_quant
+    from harness.sizing import report_quant
 
     monkeypatch.setattr(report_quant, "report_quant", lambda *a, **k: pytest.fail("work started"))
     assert main(["model=tiny_random", "gpus=H900"]) == 2

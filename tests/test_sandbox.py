@@ -1,4 +1,4 @@
-"""Hostile programs against harness.evaluation.sandbox: each must end fast, not pass, and leave the host untouched.
+"""Hostile programs against harness.sandbox: each must end fast, not pass, and leave the host untouched.
 
 Leftover processes are found by scanning /proc here (independently of the module's own bookkeeping).
 Tests marked ``requires_root`` check the privilege drop and the namespaces, which only root can set up.
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.evaluation import sandbox
-from harness.evaluation.sandbox import SandboxResult, check_program, run_python
+from harness import sandbox
+from harness.sandbox import SandboxResult, check_program, run_python
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="inspects /proc; Linux only")
 requires_root = pytest.mark.skipif(os.geteuid() != 0, reason="privilege drop and namespaces need root")

@@ -1,4 +1,4 @@
-"""eval.sequential inside a job (harness.evaluation.sequential): rounds of whole clusters, the stop, the record, the gate.
+"""eval.sequential inside a job (harness.evaluation.sequential_run): rounds of whole clusters, the stop, the record, the gate.
 
 The loop is tested with lm-eval replaced by a table of known answers (so the stop can be worked
 out independently from the cluster sums, with :func:`harness.stats.sequential.cs_bounds` on the
@@ -17,7 +17,7 @@ import pytest
 from harness.evaluation import evaluate
 from harness.decision import gate
 from harness.job import identity
-from harness.evaluation import sequential
+from harness.evaluation import sequential_run as sequential
 from harness.config import GateConfig
 from harness.evaluation.slices import resolve
 from harness.stats import sequential as seqstats

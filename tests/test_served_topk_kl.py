@@ -1,4 +1,4 @@
-"""A served candidate's KL from its server's top-k log-probs (harness.divergence.served).
+"""A served candidate's KL from its server's top-k log-probs (harness.divergence.topk_bound).
 
 The top-k partition KL against an independent float64 computation written here from its definition
 (a loop over the cells), its lower-bound property over random distributions (hypothesis), its
@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness.divergence import scoring
-from harness.divergence.served import (
+from harness.divergence.topk_bound import (
     KL_BOUND,
     NoPromptLogprobs,
     partition_kl,

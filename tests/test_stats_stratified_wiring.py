@@ -16,7 +16,7 @@ from harness import stats
 from harness.config import CompareConfig, GateConfig, SliceConfig
 from harness.decision import gate
 from harness.evaluation import evaluate
-from harness.evaluation import sequential as seqeval
+from harness.evaluation import sequential_run as seqeval
 from harness.results.summary import compare_items, pair_items
 
 COMPARE = {"n_resamples": 1000, "ci_level": 0.95, "seed": 0, "margin": 0.02, "correction": "holm"}

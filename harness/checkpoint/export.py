@@ -491,7 +491,7 @@ def _body(parsed: cli.Parsed[ExportOptions]) -> int:
     quantization_args(scheme)  # refuse an unrepresentable scheme before loading anything
     if Path(options.out).exists() and any(Path(options.out).iterdir()):
         raise UsageError(f"out={options.out} exists and is not empty; choose a new directory")
-    from harness.decision.quant_report import prepare
+    from harness.sizing.report_quant import prepare
 
     prepared = prepare(cfg)
     check_whole_groups(target_linears(prepared.loaded.model, prepared.scheme)[0], prepared.scheme,  # before work

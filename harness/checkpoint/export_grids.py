@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from harness.errors import UsageError
-from harness.quant import formats
+from harness.quant import format_math
 
 REPRESENTABLE = ("int weights (4 or 8 bits; channel or group; symmetric or asymmetric; groups that divide every "
                  "input size), no activation quantization: RTN, GPTQ, AWQ, SmoothQuant-smoothed",
@@ -125,13 +125,13 @@ def _nvfp4_blocks(blocks: Tensor, gs: Tensor, dtype: torch.dtype) -> tuple[Tenso
     block exactly wins (the smallest error otherwise).
     """
     amax = blocks.abs().amax(-1, keepdim=True)
-    best_scale = torch.full_like(amax, formats.NVFP4_ZERO_BLOCK_SCALE)
+    best_scale = torch.full_like(amax, format_math.NVFP4_ZERO_BLOCK_SCALE)
     best_error = torch.full_like(amax, float("inf"))
     for top in _E2M1_TOPS:
-        scale = formats.fp8_cast(gs * amax / top, "e4m3")
-        scale = torch.where(scale == 0, formats.NVFP4_ZERO_BLOCK_SCALE, scale)  # all-zero blocks, as the harness
+        scale = format_math.fp8_cast(gs * amax / top, "e4m3")
+        scale = torch.where(scale == 0, format_math.NVFP4_ZERO_BLOCK_SCALE, scale)  # all-zero blocks, as the harness
         step = scale / gs
-        codes = formats.e2m1_round((blocks / step).clamp(-formats.E2M1_MAX, formats.E2M1_MAX))
+        codes = format_math.e2m1_round((blocks / step).clamp(-format_math.E2M1_MAX, format_math.E2M1_MAX))
         error = ((codes * step).to(dtype).to(torch.float32) - blocks).abs().amax(-1, keepdim=True)
         better = error < best_error
         best_scale = torch.where(better, scale, best_scale)
@@ -150,15 +150,15 @@ def recover_nvfp4(weight: Tensor, *, search_ulps: int = 64) -> tuple[Tensor, Ten
     model whose rounding hides ``gs``) the best candidate is returned with its max error, and the
     caller decides. Raises :class:`ExportError` if the input dim is not a multiple of 16.
     """
-    if weight.shape[-1] % formats.NVFP4_BLOCK_SIZE:
+    if weight.shape[-1] % format_math.NVFP4_BLOCK_SIZE:
         raise _unsupported(f"nvfp4 weights with {weight.shape[-1]} input features (not a multiple of 16)")
     w = weight.detach().to(torch.float32)
-    blocks = w.reshape(w.shape[0], -1, formats.NVFP4_BLOCK_SIZE)
+    blocks = w.reshape(w.shape[0], -1, format_math.NVFP4_BLOCK_SIZE)
     top = w.abs().max()
     if not bool(top > 0):
         one = torch.ones(1)
-        return torch.full(blocks.shape[:2], formats.NVFP4_ZERO_BLOCK_SCALE), one, 0.0
-    estimate = (formats.FP8_MAX["e4m3"] * formats.E2M1_MAX / top).reshape(1)
+        return torch.full(blocks.shape[:2], format_math.NVFP4_ZERO_BLOCK_SCALE), one, 0.0
+    estimate = (format_math.FP8_MAX["e4m3"] * format_math.E2M1_MAX / top).reshape(1)
     best: tuple[Tensor, Tensor, float] | None = None
     up, down = estimate.clone(), estimate.clone()
     candidates = [estimate]

@@ -11,7 +11,7 @@ Token divergence (:meth:`ServedCandidate.divergence`): each of the reference's d
 prompt as evaluated + the reference's own reply) is sent to the server as token ids with ``echo=true,
 max_tokens=0, logprobs=k`` (``candidate.endpoint_divergence_topk``); NLL and top-1 agreement are exact,
 and the KL is KL on the server's top-k partition, a lower bound of the exact KL
-(:mod:`harness.divergence.served`), labelled so in every row, the summary and the tables. A server
+(:mod:`harness.divergence.topk_bound`), labelled so in every row, the summary and the tables. A server
 that returns no log-probs gives accuracy and flips only, and the run says so in one line.
 
 What a served candidate does not give: a per-layer weight report (its weights are in the server, not
@@ -43,7 +43,7 @@ import pandas as pd
 
 from harness.checkpoint.served_config import check_config, served_name
 from harness.config import CandidateConfig
-from harness.divergence import served as served_divergence
+from harness.divergence import topk_bound as served_divergence
 from harness.divergence.scoring import ReferenceText
 from harness.evaluation.endpoint import EndpointError, EndpointSpec, endpoint_lm, redact_url, scrub, teacher_forced
 

@@ -36,9 +36,9 @@ _EXPORTS = {
     "select_runs": "harness.compare.sources",
     "log_comparison": "harness.compare.output",
     "write_report": "harness.compare.output",
-    "compare_runs": "harness.compare.pipeline",
-    "ParityInputs": "harness.compare.parity",
-    "parity_table": "harness.compare.parity",
+    "compare_runs": "harness.compare.comparison",
+    "ParityInputs": "harness.compare.parity_table",
+    "parity_table": "harness.compare.parity_table",
     "main": "harness.compare.__main__",
     "parse_options": "harness.compare.__main__",
 }

@@ -16,7 +16,7 @@ from typing import Sequence
 
 from harness import cli
 from harness.compare.options import CompareOptions
-from harness.compare.pipeline import execute
+from harness.compare.comparison import execute
 from harness.compare.render.terminal import terminal_table
 from harness.errors import UsageError
 

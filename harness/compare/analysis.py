@@ -42,7 +42,7 @@ class ComparisonReport:
     generation: pd.DataFrame
     tokens: pd.DataFrame
     survival: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)  # label, position, survival
-    parity: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)  # harness.compare.parity.parity_table
+    parity: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)  # harness.compare.parity_table.parity_table
 
     @property
     def labels(self) -> list[str]:

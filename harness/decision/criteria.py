@@ -14,7 +14,7 @@ import scipy.stats as sps
 from harness import stats
 from harness.config import GateConfig, TokenGateConfig
 from harness.decision.gate_inputs import GateInputError, RunResults
-from harness.evaluation import sequential
+from harness.evaluation import sequential_run
 from harness.results.report import simulation_lines
 from harness.stats.score import restricted_loss
 
@@ -134,7 +134,7 @@ def accuracy_criteria(run: RunResults, cfg: GateConfig) -> list[Criterion]:
         row = shown.to_dict()
         record = (run.summary.get("sequential") or {}).get(name)
         if record is not None:  # a sequential run: its confidence sequence decides, at this gate's α and margin
-            sequence = sequential.gate_sequence(group, _not_evaluated(run, name), record, margin, cfg.alpha, family)
+            sequence = sequential_run.gate_sequence(group, _not_evaluated(run, name), record, margin, cfg.alpha, family)
             row.update(delta_ci_low=sequence.lower, delta_ci_high=sequence.upper, fail_ci_high=sequence.upper,
                        interval="sequence", items_total=sequence.n_total, method=record["method"])
         else:

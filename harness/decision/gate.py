@@ -28,7 +28,7 @@ the outcome read off it, at the slice's margin m and the gate's one-sided level 
 The false-pass rate at Δ = -m and the power at Δ = 0 and -m/2 of this rule, over sizes, cluster
 structures, accuracies, flip patterns and partial credit, are in the README (bench_gate_oc).
 
-A sequential run (``eval.sequential=true``, :mod:`harness.evaluation.sequential`) is read off its confidence
+A sequential run (``eval.sequential=true``, :mod:`harness.evaluation.sequential_run`) is read off its confidence
 sequence instead, recomputed from items.parquet and not_evaluated.parquet at this gate's α, k and
 margins: pass ⇔ its lower bound at α lies above -m, fail ⇔ its upper bound at α/k lies below -m.
 

@@ -18,7 +18,7 @@ forward passes go over HTTP:
   HFLM cuts it;
 * divergence texts (:func:`teacher_forced`): the reference's served text (prompt as evaluated + the
   reference's own reply) as token ids, ``echo=true, max_tokens=0, logprobs=k``: each position's log-prob
-  of the actual token and the server's top-k, from which :mod:`harness.divergence.served` computes a
+  of the actual token and the server's top-k, from which :mod:`harness.divergence.topk_bound` computes a
   lower bound of the KL.
 
 Every request also echoes the prompt's tokens, and each item is refused unless the served prompt's
@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from harness.divergence.served import NoPromptLogprobs, ServedLogprobs
+from harness.divergence.topk_bound import NoPromptLogprobs, ServedLogprobs
 from harness.errors import UserError
 
 log = logging.getLogger(__name__)

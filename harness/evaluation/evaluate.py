@@ -28,7 +28,7 @@ from harness.infra import progress
 log = logging.getLogger(__name__)
 
 # doc_id: the item's index in its task's documents (lm-eval's doc_id of a full evaluation), by which a
-# sequential evaluation (harness.evaluation.sequential) asks lm-eval for a round's items (``samples``)
+# sequential evaluation (harness.evaluation.sequential_run) asks lm-eval for a round's items (``samples``)
 # stratum / cluster: the item's sampling design (docs/explanation/strata.md); "" stratum: none declared
 RECORD_COLUMNS = ["item_id", "slice", "task", "sub_slice", "cluster", "output_type", "correct", "response", "target",
                   "prompt", "reply", "doc_id", "stratum"]

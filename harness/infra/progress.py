@@ -263,7 +263,7 @@ def token_source(count: Callable[[], int]) -> Iterator[None]:
 def lm_eval_requests(lm: Any, slice_name: str, done_before: int = 0, planned: int | None = None) -> Iterator[None]:
     """While lm-eval evaluates ``slice_name`` on ``lm``: its items counted to the reporter, its bars quiet.
 
-    ``done_before`` / ``planned``: a call evaluating one round of a slice (harness.evaluation.sequential)
+    ``done_before`` / ``planned``: a call evaluating one round of a slice (harness.evaluation.sequential_run)
     reports the slice's items done so far out of the items it may need, not the round's alone.
     Does nothing without an active reporter (library use keeps lm-eval's own bars).
     """

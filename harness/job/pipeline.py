@@ -28,10 +28,12 @@ from omegaconf import DictConfig, OmegaConf
 from harness import quant
 from harness.checkpoint import candidate, served
 from harness.config import RunConfig
-from harness.decision import gate, ledger
+from harness.decision import gate
+from harness.sizing import ledger
 from harness.divergence import scoring as divergence
 from harness.errors import UsageError
-from harness.evaluation import evaluate, sequential
+from harness.evaluation import evaluate
+from harness.evaluation import sequential_run
 from harness.evaluation.slices import Slice, check_hub_for_registry, resolve
 from harness.infra import devices, joblog, progress
 from harness.infra.cache import (
@@ -329,7 +331,7 @@ def write_results(job: Job, judged: Candidate, references: dict[str, SliceRefere
     not_evaluated = None
     if cfg.eval.sequential:  # the statistics compare the items both answered; the rest are listed, not scored
         answered = set(evaluated.records["item_id"])
-        not_evaluated = sequential.not_evaluated_frame(reference_records, answered)
+        not_evaluated = sequential_run.not_evaluated_frame(reference_records, answered)
         reference_records = reference_records[reference_records["item_id"].isin(answered)].reset_index(drop=True)
     items = summary.pair_items(reference_records, evaluated.records)
     if evaluated.placement is not None:
@@ -371,7 +373,7 @@ def preflight(cfg: RunConfig) -> Preflight:
     quant.validate_scheme(cfg.quant)
     check_format(cfg.quant.calibration, cfg.model.chat_template, cfg.model.name)
     check_backend(cfg)
-    sequential.check_config(cfg, slices)
+    sequential_run.check_config(cfg, slices)
     models.check_available(cfg.model)
     uri = tracking.resolve_uri(cfg.tracking.uri)
     shared = sweep.shared_store_warning(uri, sweep.hydra_launcher()) if cfg.tracking.enabled else None
@@ -455,7 +457,7 @@ def _next_slice(job: Job, remaining: list[Slice], references: dict[str, SliceRef
 
 
 def evaluate_in_rounds(loaded: models.LoadedModel, job: Job, references: dict[str, SliceReference]) -> Evaluated:
-    """The candidate in sequential rounds, each slice until settled (:mod:`harness.evaluation.sequential`).
+    """The candidate in sequential rounds, each slice until settled (:mod:`harness.evaluation.sequential_run`).
 
     A round needs the slice's reference: slices whose reference is in ``references`` go first, and
     one another process is computing is waited for right before its slice; those waited for are
@@ -464,7 +466,7 @@ def evaluate_in_rounds(loaded: models.LoadedModel, job: Job, references: dict[st
     cfg, spec = job.cfg, job.reference_spec
     settings = spec.eval_settings(tokenizer_dir(loaded))
     lm = candidate_lm(loaded, job, settings)
-    rule = sequential.stop_rule(cfg, [s.name for s in job.checked.slices])
+    rule = sequential_run.stop_rule(cfg, [s.name for s in job.checked.slices])
     records, aggregates, restored, requests, stops, placements = [], {}, {}, {}, {}, []
     waited: dict[str, SliceReference] = {}
     captured: dict[str, Any] = {}
@@ -477,10 +479,10 @@ def evaluate_in_rounds(loaded: models.LoadedModel, job: Job, references: dict[st
                                                                   cfg.model)[slice_.name]
         captured[slice_.name] = capture_for(lm, slice_, spec, teacher_replies(slice_, reference.records,
                                                                               loaded.tokenizer, spec))
-        frame, agg, stops[slice_.name], placed = sequential.evaluate_sequential(
+        frame, agg, stops[slice_.name], placed = sequential_run.evaluate_sequential(
             lm, slice_, settings, checkpoint, reference.records, rule, cfg.eval.seed, cfg.eval.sequential_round_items)
         placements.append(placed)
-        progress.current().note("quantized", slice_.name, sequential.items_line(stops[slice_.name]))
+        progress.current().note("quantized", slice_.name, sequential_run.items_line(stops[slice_.name]))
         requests[slice_.name] = evaluate.checkpoint_rows(checkpoint)
         records.append(frame)
         aggregates.update(agg)

@@ -240,7 +240,7 @@ class _Model:
 def plan_sweep(overrides: Sequence[str], *, tokens_per_s: float | None = None,
                decode_tokens_per_s: float | None = None, gpu: str = "H100") -> SweepPlan:
     """Plan the sweep ``python -m harness -m <overrides>`` would run (see the module docstring)."""
-    from harness.decision import ledger
+    from harness.sizing import ledger
 
     jobs = expand_sweep(overrides)
     configs = [_job_config(job) for job in jobs]  # every config error before any model is loaded
@@ -319,7 +319,7 @@ def _cuda_elsewhere(model: ModelConfig) -> bool:
 def roofline(model: ModelConfig, batch: int, gpu: Any) -> Throughput:
     """Rates of ``model`` at ``batch`` sequences on ``gpu`` from its shapes and the GPU's datasheet (see the
     module doc)."""
-    from harness.decision import ledger
+    from harness.sizing import ledger
 
     arch = ledger.architecture(model)
     params = arch.total_params()
@@ -342,7 +342,7 @@ def _prepare_model(cfg: RunConfig, tokens_per_s: float | None, decode_tokens_per
         if tokens_per_s:
             rate = Throughput(tokens_per_s, decode_tokens_per_s or tokens_per_s, 0.0, "given (tokens_per_s=)")
         else:
-            from harness.decision import ledger
+            from harness.sizing import ledger
 
             gpu = gpu or ledger.resolve_gpus(["H100"])[0]
             rate = roofline(cfg.model, batch, gpu)

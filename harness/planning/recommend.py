@@ -198,7 +198,7 @@ def _measure(model: Any, scheme: QuantConfig, reference: list, context: Any) -> 
 def unit_table(model: Any, scheme: QuantConfig, sensitivity: pd.DataFrame, granularity: str) -> list[Unit]:
     from harness.planning.sensitivity import sensitivity_units, target_matrices
     from harness.quant.base import linear_census
-    from harness.quant.tensor import storage_bits
+    from harness.quant.format_table import storage_bits
 
     assert scheme.weights is not None
     linears = sensitivity_units(model, scheme, granularity)  # type: ignore[arg-type]
@@ -315,7 +315,7 @@ def recommend(cfg: Any, options: RecommendOptions, overrides: list[str] | None =
     """Sensitivity (cached) → exact choice → scheme YAML → measured KL vs uniform schemes → files."""
     from harness import quant
     from harness.config import compose
-    from harness.decision.quant_report import output_dir, prepare
+    from harness.sizing.report_quant import output_dir, prepare
     from harness.planning.sensitivity import layer_sensitivity, reference_texts
 
     if options.granularity not in ("block", "linear"):

@@ -54,7 +54,7 @@ TABLE_COLUMNS = ["unit", "linears", "kl_mean", "kl_max", "top1_agree", "ppl_rati
 
 def block_prefixes(model: nn.Module) -> list[str]:
     """Module names of the decoder blocks: the adapter's, else the longest ModuleList holding Linears."""
-    from harness.quant.adapters import get_adapter
+    from harness.quant.architectures import get_adapter
     try:
         adapter = get_adapter(model)
         return [adapter.block_name(i) for i in range(len(adapter.blocks(model)))]
@@ -278,7 +278,7 @@ def reference_texts(loaded: Any, cfg: RunConfig, n_texts: int) -> list[divergenc
 def run_sensitivity(cfg: RunConfig, granularity: Granularity = "block", n_texts: int = 8,
                     directory: Path | None = None) -> SensitivityResult:
     """Load, score the reference once, rank the units, write csv/png/summary and log them to MLflow."""
-    from harness.decision.quant_report import output_dir, prepare
+    from harness.sizing.report_quant import output_dir, prepare
 
     start = time.perf_counter()
     prepared = prepare(cfg)

@@ -5,7 +5,7 @@ model, checks the context holds what the scheme's calibration passes need, runs 
 weight method (rtn, gptq, awq, smoothquant, or one from ``quant.plugins``) — through the
 calibrated-weight cache when its spec says cacheable — then installs activation and KV-cache
 quantization, which compose with any method. Methods: ``harness.quant.base.MethodSpec``;
-number formats: the table in ``harness.quant.tensor``.
+number formats: the table in ``harness.quant.format_table``.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from harness.quant.linear import (
     install_activation_quant,
     keep_float32_weights,
 )
-from harness.quant.tensor import (
+from harness.quant.format_table import (
     NumberFormat,
     SchemeError,
     fake_quantize,

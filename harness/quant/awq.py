@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from harness.config import AWQConfig, QuantConfig, TensorQuantConfig
-from harness.quant.adapters import (
+from harness.quant.architectures import (
     Adapter,
     BlockProgress,
     LinearGroup,
@@ -52,7 +52,7 @@ from harness.quant.adapters import (
 )
 from harness.quant.base import QuantReport, bits_for, register_method, target_linears
 from harness.quant.experts import expert_index, moe_settings, record_fallback
-from harness.quant.tensor import SchemeError, fake_quantize
+from harness.quant.format_table import SchemeError, fake_quantize
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from harness.quant.calibration import validate_calibration
 from harness.quant.coverage import check_coverage, coverage_account
 from harness.quant.experts import expert_shapes, find_routers, moe_settings, name_matches
 from harness.quant.kv import validate_kv_cache
-from harness.quant.tensor import (
+from harness.quant.format_table import (
     SchemeError,
     input_multiple,
     storage_bits,

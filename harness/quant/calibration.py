@@ -29,7 +29,7 @@ from torch import Tensor
 from harness.config import CalibrationConfig, QuantConfig
 from harness.infra.cache import Cache, stable_hash
 from harness.quant import calibration_sources
-from harness.quant.tensor import SchemeError
+from harness.quant.format_table import SchemeError
 
 log = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ from typing import Any
 from torch import nn
 
 from harness.quant.experts import UnfusedExperts, find_fused_experts, find_routers, moe_settings, name_matches
-from harness.quant.tensor import SchemeError, storage_bits
+from harness.quant.format_table import SchemeError, label, storage_bits
 
-__all__ = ["CoverageAccount", "ParamEntry", "check_coverage", "coverage_account", "format_label"]
+__all__ = ["CoverageAccount", "ParamEntry", "check_coverage", "coverage_account"]
 
 QUANTIZED, KEPT, NOT_COVERED = "quantized", "kept", "not_covered"
 HIGH_PRECISION_BITS = 16.0
@@ -146,17 +146,6 @@ class CoverageAccount:
         return out
 
 
-def format_label(spec: Any) -> str:
-    """A short name of a weight spec: ``int4 group128``, ``fp8_e4m3 channel``, ``nvfp4``."""
-    name = f"int{spec.bits}" if spec.format == "int" else spec.format
-    if spec.format == "int" and not spec.symmetric:
-        name += " asym"
-    if spec.format in ("nvfp4", "mxfp4", "mxfp8"):
-        return name
-    grain = f"group{spec.group_size}" if spec.granularity == "group" else spec.granularity
-    return f"{name} {grain}"
-
-
 def _is_norm(module: nn.Module) -> bool:
     return isinstance(module, (nn.LayerNorm, nn.GroupNorm)) or "norm" in type(module).__name__.lower()
 
@@ -193,14 +182,14 @@ def coverage_account(model: nn.Module, scheme: Any, targets: dict[str, nn.Module
             return KEPT, "no_weight_format", HIGH_PRECISION_BITS
         if module_name in targets and param_name == "weight":
             out, inp = param.shape[0], param.shape[-1]
-            return QUANTIZED, format_label(spec), storage_bits(spec, out, inp)
+            return QUANTIZED, label(spec), storage_bits(spec, out, inp)
         if module is embedding or isinstance(module, nn.Embedding):
             return KEPT, "embedding", HIGH_PRECISION_BITS
         if module is head and head is not None:
             return KEPT, "output_head", HIGH_PRECISION_BITS
         if module_name in routers:
             if dims >= 2 and quantize_router:
-                return QUANTIZED, format_label(spec), storage_bits(spec, param.shape[0], param.shape[-1])
+                return QUANTIZED, label(spec), storage_bits(spec, param.shape[0], param.shape[-1])
             return KEPT, "router", HIGH_PRECISION_BITS
         if dims < 2:
             return KEPT, "norm" if _is_norm(module) else "bias", HIGH_PRECISION_BITS
@@ -216,7 +205,7 @@ def coverage_account(model: nn.Module, scheme: Any, targets: dict[str, nn.Module
                     return KEPT, "quant.keep", HIGH_PRECISION_BITS
                 if all(name_matches(n, patterns) and not name_matches(n, keep) for n in names):
                     out, inp = info.shape(proj)
-                    return QUANTIZED, format_label(spec), storage_bits(spec, out, inp)
+                    return QUANTIZED, label(spec), storage_bits(spec, out, inp)
                 return NOT_COVERED, "", HIGH_PRECISION_BITS  # a partial expert selection is not supported
         if isinstance(module, nn.Linear):
             if name_matches(module_name, keep):

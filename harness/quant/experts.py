@@ -351,7 +351,7 @@ def quantize_routers(model: nn.Module, scheme: Any, report: Any) -> list[str]:
     """Round every router that is not an ``nn.Linear`` (``…TopKRouter``) to nearest on the weight grid, as a
     Linear of the same shape (``quant.moe.quantize_router``); Linear routers are the method's targets then.
     Returns the changed parameter names."""
-    from harness.quant.tensor import fake_quantize, storage_bits
+    from harness.quant.format_table import fake_quantize, storage_bits
 
     changed = []
     for name in find_routers(model):
@@ -383,7 +383,7 @@ def expert_fallback(block: nn.Module, prefix: str, names: list[str], tokens: int
                     ) -> list[str]:
     """GPTQ's fallback for an expert stage with too few routed tokens: round its Linears to nearest on the
     scheme's grid; returns the changed parameter names."""
-    from harness.quant.tensor import fake_quantize, storage_bits
+    from harness.quant.format_table import fake_quantize, storage_bits
 
     changed = []
     for name in names:

@@ -7,7 +7,7 @@ over the not-yet-quantized columns through the upper Cholesky factor of ``H⁻¹
 of ``block_size`` columns with lazy updates of the columns beyond the block (the
 reference IST-DASLab ``gptq.py`` algorithm). Group scales come from the error-updated
 weights (or, with ``act_order`` + ``static_groups``, from the original weights so that
-groups stay contiguous in storage). The grid is ``harness.quant.formats``' integer grid,
+groups stay contiguous in storage). The grid is ``harness.quant.format_math``' integer grid,
 shared with RTN and AWQ: with an identity Hessian GPTQ reproduces RTN exactly.
 
 :func:`quantize_gptq` drives a whole model: blocks in order, one on the compute device
@@ -15,7 +15,7 @@ at a time, each fed by the outputs of the already-quantized blocks before it, an
 a block the adapter's groups in dependency order (q/k/v → o → gate/up → down). One
 forward pass per block serves all of them: every batch pauses before each group's first
 linear until all batches have added their inputs to its Hessian and the group is
-quantized (:func:`harness.quant.adapters.staged_forward`). The linears of a group share
+quantized (:func:`harness.quant.architectures.staged_forward`). The linears of a group share
 one Hessian and are solved as one stacked weight (:func:`_solve_stage`).
 """
 from __future__ import annotations
@@ -29,8 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from harness.config import GPTQConfig, QuantConfig, TensorQuantConfig
-from harness.quant import formats
-from harness.quant.adapters import (
+from harness.quant import format_math
+from harness.quant.architectures import (
     BlockProgress,
     block_on_device,
     capture_block_inputs,
@@ -42,7 +42,7 @@ from harness.quant.adapters import (
 )
 from harness.quant.base import QuantReport, bits_for, register_method, target_linears
 from harness.quant.experts import expert_fallback, expert_index, expert_stages, moe_settings
-from harness.quant.tensor import SchemeError, full_range
+from harness.quant.format_table import SchemeError, full_range
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ def _upper_inverse_cholesky(hessian: Tensor, damp_percent: float, name: str) -> 
 
 
 def _qparams(weight: Tensor, spec: TensorQuantConfig, dim: int | None) -> tuple[Tensor, Tensor]:
-    return formats.int_qparams(weight, spec.bits, symmetric=spec.symmetric, dim=dim, full_range=full_range(spec))
+    return format_math.int_qparams(weight, spec.bits, symmetric=spec.symmetric, dim=dim, full_range=full_range(spec))
 
 
 @torch.no_grad()
@@ -185,7 +185,7 @@ def gptq_quantize_weight(weight: Tensor, hessian: Tensor, spec: TensorQuantConfi
             elif column % group == 0:
                 scale, zero = _qparams(W1[:, i:i + group], spec, dim=-1)
             w = W1[:, i]
-            q = formats.int_fake_quant(w.unsqueeze(1), scale, zero, spec.bits, symmetric=spec.symmetric,
+            q = format_math.int_fake_quant(w.unsqueeze(1), scale, zero, spec.bits, symmetric=spec.symmetric,
                                        full_range=full_range(spec))[:, 0]
             Q1[:, i] = q
             err = (w - q) / pivots[i]

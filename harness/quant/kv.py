@@ -45,7 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from harness.config import KVCacheQuantConfig, TensorQuantConfig
-from harness.quant.tensor import FORMATS, SchemeError, get_format, validate_spec
+from harness.quant.format_table import FORMATS, SchemeError, get_format, validate_spec
 
 __all__ = ["KVLayerState", "calibrate_kv_scales", "fake_quantize_kv", "full_precision_masks", "install_kv_quant",
            "kv_formats", "kv_layer_states", "kv_quant_mode", "remove_kv_quant", "validate_kv_cache"]
@@ -128,7 +128,7 @@ def fake_quantize_kv(x: Tensor, spec: TensorQuantConfig, *, positions: Tensor | 
     ``positions`` ``[batch, tokens]``: absolute positions (channel groups are aligned to them; default
     0..T-1). ``valid`` ``[batch, tokens]``: tokens that enter dynamic tensor/head/channel statistics
     (default all). ``static_scale``: calibrated scale, a scalar or one per kv head. Scales and rounding
-    come from the format's entry (``harness.quant.tensor``) with ``include_zero=False``: INT grids use
+    come from the format's entry (``harness.quant.format_table``) with ``include_zero=False``: INT grids use
     KIVI's min/max (no widening to 0); FP8 is ``fp8_cast(x / scale) * scale`` with ``scale = amax / fmt_max``.
     """
     batch, _, length, _ = x.shape

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from harness.config import TensorQuantConfig
-from harness.quant.tensor import fake_quantize
+from harness.quant.format_table import fake_quantize
 
 
 class _InputCache:

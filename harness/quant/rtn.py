@@ -6,7 +6,7 @@ from torch import nn
 
 from harness.config import QuantConfig
 from harness.quant.base import QuantReport, bits_for, register_method, target_linears
-from harness.quant.tensor import fake_quantize
+from harness.quant.format_table import fake_quantize
 
 
 @torch.no_grad()

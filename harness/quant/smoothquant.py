@@ -17,7 +17,7 @@ Collect, then solve: :func:`collect_input_maxima` records the maxima with hooks 
 passes over ``context.calibration_batches()``; :func:`smooth_model` folds the scales; then the
 weights are rounded to nearest with ``scheme.weights`` (:func:`harness.quant.rtn.quantize_weights_rtn`).
 The activation quantizer is installed afterwards by ``harness.quant.apply`` and sees the smoothed
-inputs. The norm→linears mapping comes from :mod:`harness.quant.adapters`.
+inputs. The norm→linears mapping comes from :mod:`harness.quant.architectures`.
 
 Deviation from the reference: a channel whose activation or weight maximum is 0 (dead in the
 calibration text) keeps ``s = 1`` instead of the reference's clamp to 1e-5, which would blow the
@@ -34,10 +34,10 @@ from torch import Tensor, nn
 
 from harness.config import QuantConfig, SmoothQuantConfig
 from harness.models.hooks import forward_pre_hooks, run_batches
-from harness.quant.adapters import get_adapter, has_modules
+from harness.quant.architectures import get_adapter, has_modules
 from harness.quant.base import QuantReport, register_method, target_linears
 from harness.quant.rtn import quantize_weights_rtn
-from harness.quant.tensor import SchemeError
+from harness.quant.format_table import SchemeError
 
 log = logging.getLogger(__name__)
 

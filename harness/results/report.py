@@ -127,7 +127,7 @@ def sequential_lines(result: dict) -> list[str]:
     records = result.get("sequential") or {}
     if not records:
         return []
-    from harness.evaluation.sequential import fraction_saved, items_line
+    from harness.evaluation.sequential_run import fraction_saved, items_line
     lines = [f"sequential (eval.sequential=true): {100 * fraction_saved(records):.0f} % of the candidate's items not "
              "needed; the table's intervals are fixed-sample on the items answered, the gate reads the confidence "
              "sequence"]
@@ -167,7 +167,7 @@ def sequential_markdown(result: dict) -> list[str]:
              "upper (α/k)": f"{100 * r['upper']:+.1f} pt"} for name, r in result["sequential"].items()]
     return ["## Sequential evaluation", "",
             "The candidate answered each slice in rounds of whole clusters and stopped once the slice's "
-            "confidence sequence settled the gate's decision (harness.evaluation.sequential); items not needed are listed "
+            "confidence sequence settled the gate's decision (harness.evaluation.sequential_run); items not needed are listed "
             "in not_evaluated.parquet, not scored. The intervals above are fixed-sample, on the items answered.",
             "", pd.DataFrame(rows).to_markdown(index=False)]
 

@@ -5,14 +5,14 @@ function in a ```python block, with or without a chat template. Responses come a
 new definition (usual for chat models), a bare definition, or a continuation of the body
 (base models continuing the prompt); prose may follow. :func:`build_program` handles all of them.
 The response is hostile input: it is only ever run by
-:func:`harness.evaluation.sandbox.run_python`, in a throwaway process with time, memory, process,
+:func:`harness.sandbox.run_python`, in a throwaway process with time, memory, process,
 file-size and network limits.
 """
 from __future__ import annotations
 
 import re
 
-from harness.evaluation.sandbox import SandboxResult, run_python
+from harness.sandbox import SandboxResult, run_python
 
 _FENCE_LINE = re.compile(r"^[ \t]*```[ \t]*([\w+-]*)[ \t]*$", re.MULTILINE)
 _CODE_LINE_STARTS = (" ", "\t", "def ", "class ", "import ", "from ", "@", "return ")

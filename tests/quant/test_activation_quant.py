@@ -12,10 +12,10 @@ from torch import nn
 
 from harness import quant
 from harness.config import QuantConfig, TensorQuantConfig, compose
-from harness.quant import formats
+from harness.quant import format_math as formats
 from harness.quant import linear as linear_mod
 from harness.quant.linear import ActQuantLinear, _InputCache, calibrate_static_scales
-from harness.quant.tensor import SchemeError
+from harness.quant.format_table import SchemeError
 
 VOCAB = 256
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
-from harness.quant.adapters import (GEMMA3, LLAMA, capture_block_inputs, get_adapter, make_batches,
+from harness.quant.architectures import (GEMMA3, LLAMA, capture_block_inputs, get_adapter, make_batches,
                                     round_outside_blocks, run_block, staged_forward)
 from harness.quant.awq import fold_scales
 
@@ -139,7 +139,7 @@ def test_unknown_family_names_the_known_ones() -> None:
 def test_targets_outside_blocks_are_rounded_with_a_note() -> None:
     from harness.config import QuantConfig, TensorQuantConfig
     from harness.quant.base import QuantReport, target_linears
-    from harness.quant.tensor import fake_quantize
+    from harness.quant.format_table import fake_quantize
 
     model = tiny_llama()
     spec = TensorQuantConfig(format="int", bits=4, granularity="group", group_size=32)

@@ -14,7 +14,7 @@ from harness.quant.awq import (candidate_scales, coarse_to_fine_steps, quantize_
                                weight_mean)
 from harness.quant.base import QuantReport
 from harness.quant.rtn import quantize_weights_rtn
-from harness.quant.tensor import fake_quantize
+from harness.quant.format_table import fake_quantize
 
 
 @pytest.fixture(autouse=True)
@@ -252,7 +252,7 @@ def test_search_samples_comes_from_the_config_and_bad_settings_fail_at_config_ti
 
     from harness import quant
     from harness.quant import awq as awq_mod
-    from harness.quant.tensor import SchemeError
+    from harness.quant.format_table import SchemeError
 
     @dataclass
     class Context:

@@ -15,34 +15,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from harness import quant
 from harness.config import KVCacheQuantConfig, QuantConfig, TensorQuantConfig
-from harness.quant import formats
 from harness.quant.kv import fake_quantize_kv, install_kv_quant, kv_formats, kv_layer_states, validate_kv_cache
 from harness.quant.linear import ActQuantLinear
-from harness.quant.tensor import FORMATS, NumberFormat, SchemeError, unregister_format
+from harness.quant.format_table import FORMATS, SchemeError, unregister_format
+from tests.quant.toy_format import TOY, toy_entry
 
-TOY = "toy_int3"
-
-
-def toy_entry() -> NumberFormat:
-    """A 3-bit symmetric integer grid, by hand from formats.int_* (no maker helper)."""
-    def quantize(x, spec, granularity, include_zero=True):
-        return formats.int_quantize(x, 3, symmetric=True, granularity=granularity,
-                                    group_size=spec.group_size if granularity == "group" else None)
-
-    def round_(x, spec, scale, zero):
-        return formats.int_fake_quant(x, scale, torch.zeros_like(scale), 3, symmetric=True)
-
-    def qparams(x, spec, dims, include_zero):
-        return formats.int_qparams(x, 3, symmetric=True, dim=dims)
-
-    def storage(spec, out_features, in_features):
-        per_scale = {"channel": in_features, "token": in_features, "group": spec.group_size}
-        return 3 + spec.scale_bits / per_scale[spec.granularity]
-
-    return NumberFormat(TOY, max=lambda spec: 3.0, element_bits=lambda spec: 3.0,
-                        granularities=frozenset({"tensor", "channel", "group", "token"}), quantize=quantize,
-                        storage_bits=storage, round=round_, qparams=qparams)
-
+unregister_format(TOY)  # importing the plugin registered it; each test registers its own entry
 
 @pytest.fixture
 def toy_format():
@@ -173,3 +151,52 @@ def test_a_registered_format_is_validated_by_its_entry(toy_format):
     unregister_format(toy_format)
     with pytest.raises(SchemeError, match=f"format='{toy_format}'"):
         quant.validate_scheme(QuantConfig(name="x", weights=TensorQuantConfig(format=toy_format)))
+
+
+def test_the_generic_accounting_matches_the_hand_count_and_the_built_in_entries():
+    """Storage, label and KV bits come from an entry's facts; checked against counts written out here."""
+    quant.register_format(toy_entry())
+    try:
+        from harness.quant.format_table import bits_per_element, kv_bits, label, storage_bits
+
+        grouped = TensorQuantConfig(format=TOY, granularity="group", group_size=64)
+        assert storage_bits(grouped, 32, 128) == 3 + 16 / 64
+        assert storage_bits(grouped, 32, 96) == 3 + 2 * 16 / 96  # ragged: ceil(96 / 64) scales per row
+        assert label(grouped) == "toy_int3 group64"
+        assert label(TensorQuantConfig(format="int", bits=4, symmetric=False, granularity="group")) == "int4 asym group128"
+        assert label(TensorQuantConfig(format="nvfp4", granularity="group", group_size=16)) == "nvfp4"
+        token = TensorQuantConfig(format=TOY, granularity="token")
+        assert kv_bits(token, head_dim=64, group_tokens=32) == 3 + 16 / 64  # one scale per token and head
+        assert kv_bits(TensorQuantConfig(format=TOY, granularity="channel"), 64, 32) == 3 + 16 / 32
+        assert kv_bits(TensorQuantConfig(format=TOY, granularity="head"), 64, 32) == 3.0  # per layer: nothing per token
+        assert bits_per_element(TOY, granularity="group", group_size=128) == 3 + 16 / 128
+    finally:
+        unregister_format(TOY)
+
+
+@pytest.mark.slow
+def test_a_plugin_format_runs_a_whole_job_as_weights_and_as_kv_cache(make_cfg, tmp_path):
+    """The plugin route end to end: quant.plugins registers the format, and the job reads it everywhere,
+    the ledger's KV bits at the end of the job included (once a crash: ``unknown format``)."""
+    import sys
+
+    from harness.job import pipeline
+    from tests.conftest import TINY_MATH
+
+    sys.modules.pop("tests.quant.toy_format", None)  # the job's own plugin import registers it
+    unregister_format(TOY)
+    try:
+        cfg = make_cfg(*TINY_MATH, "quant=int4_g128_kv8", "quant.name=w3kv3", "quant.plugins=[tests.quant.toy_format]",
+                       f"quant.weights.format={TOY}", "quant.weights.bits=3", "quant.weights.group_size=32",
+                       f"quant.kv_cache.keys.format={TOY}", f"quant.kv_cache.values.format={TOY}",
+                       "quant.kv_cache.keys.granularity=token", "quant.kv_cache.values.granularity=token",
+                       "quant.kv_cache.keys.dynamic=true", "quant.kv_cache.values.dynamic=true",
+                       "eval.max_gen_toks=8")
+        result = pipeline.run(cfg)
+    finally:
+        unregister_format(TOY)
+    assert result["quant"]["bits_per_weight"] == pytest.approx(3 + 16 / 32)
+    # tiny_random: 2 layers, 2 KV heads, head dim 128 / 4 = 32; one 16-bit scale per token and head
+    kv_bits = 3 + 16 / 32
+    assert result["quant"]["ledger/kv_bytes_per_token/scheme_kv"] == pytest.approx(2 * 2 * 2 * 32 * kv_bits / 8)
+    assert result["metrics"]["math/kl_mean"] > 0

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from harness.quant.formats import (
+from harness.quant.format_table import bits_per_element
+from harness.quant.format_math import (
     NVFP4_ZERO_BLOCK_SCALE,
-    bits_per_element,
     e2m1_round,
     fp8_cast,
     fp8_quantize,

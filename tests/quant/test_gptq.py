@@ -20,7 +20,7 @@ from harness.quant import gptq
 from harness.quant.base import QuantReport, validate_scheme
 from harness.quant.calibrated_cache import calibrated_key
 from harness.quant.gptq import HessianAccumulator, gptq_quantize_weight, quantize_gptq
-from harness.quant.tensor import fake_quantize
+from harness.quant.format_table import fake_quantize
 
 
 @pytest.fixture(autouse=True)
@@ -221,12 +221,12 @@ def test_sequential_gptq_quantizes_every_block_linear_and_beats_rtn_on_its_input
 @torch.no_grad()
 def test_each_block_is_fed_by_the_quantized_blocks_before_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """Block 1's Hessians come from quantized block 0's outputs, not from the full-precision ones."""
-    from harness.quant.adapters import LLAMA, capture_block_inputs, make_batches, run_block
+    from harness.quant.architectures import LLAMA, capture_block_inputs, make_batches, run_block
 
     model, tokens = _tiny_model(), _tokens(8)
     full_precision = copy.deepcopy(model)
     seen: dict[int, list[torch.Tensor]] = {}
-    from harness.quant import adapters
+    from harness.quant import architectures as adapters
     run = adapters.run_block
 
     def spy(block, hidden, extra):

@@ -7,8 +7,8 @@ import torch
 from omegaconf import OmegaConf
 
 from harness.config import compose
-from harness.quant import formats
-from harness.quant.tensor import SchemeError, validate_spec
+from harness.quant import format_math as formats
+from harness.quant.format_table import SchemeError, validate_spec
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -47,7 +47,7 @@ def test_the_preset_composes_and_bad_ranges_are_refused():
 @pytest.mark.slow
 def test_gptq_on_the_full_range_grid_uses_code_minus_eight():
     from harness import quant
-    from harness.decision.quant_report import prepare
+    from harness.sizing.report_quant import prepare
 
     cfg = OmegaConf.to_object(compose(["quant=gptq_w4g128", "model=tiny_random", "quant.weights.int_range=full",
                                        "quant.calibration.num_samples=4", "quant.calibration.seq_len=64"]))

@@ -21,7 +21,7 @@ from harness.config import KVCacheQuantConfig, TensorQuantConfig, compose
 from harness.quant import apply
 from harness.quant.kv import (install_kv_quant, kv_layer_states, kv_quant_mode, remove_kv_quant,
                               validate_kv_cache)
-from harness.quant.tensor import SchemeError
+from harness.quant.format_table import SchemeError
 
 VOCAB = 96
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from harness import quant
 from harness.config import QuantConfig, compose
 from harness.quant.base import unregister_method
-from harness.quant.tensor import SchemeError
+from harness.quant.format_table import SchemeError
 from tests.conftest import TINY_MATH
 
 

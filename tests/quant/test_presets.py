@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from harness import quant
 from harness.config import CONF_DIR, QuantConfig, compose
 from harness.quant import smoothquant  # noqa: F401  (registers "smoothquant")
-from harness.quant.tensor import SchemeError
+from harness.quant.format_table import SchemeError
 
 # Presets of the other methods need their modules registered (harness.quant.__init__ does it once wired).
 for _method in ("gptq", "awq", "kv"):

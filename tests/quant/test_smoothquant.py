@@ -12,7 +12,7 @@ from harness import quant
 from harness.config import QuantConfig, SmoothQuantConfig, TensorQuantConfig
 from harness.quant import smoothquant  # noqa: F401  (registers "smoothquant")
 from harness.quant.smoothquant import collect_input_maxima, smooth_groups, smoothing_scales
-from harness.quant.tensor import SchemeError
+from harness.quant.format_table import SchemeError
 
 VOCAB = 256
 

@@ -140,7 +140,7 @@ PARITY_LEGEND = ("disagree: share of items answered differently (reply text, cho
 
 
 def parity_markdown(table: pd.DataFrame) -> str:
-    """:func:`harness.compare.parity.parity_table`'s rows as Markdown, intervals beside their estimates."""
+    """:func:`harness.compare.parity_table.parity_table`'s rows as Markdown, intervals beside their estimates."""
     def number(value: float, spec: str) -> str:
         return "–" if value is None or math.isnan(value) else format(value, spec)
 

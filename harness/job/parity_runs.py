@@ -1,5 +1,5 @@
 """``python -m harness.parity``: a scheme's simulation against its export served by an engine, beside the
-engine-noise floor, on the same items (:mod:`harness.compare.parity` computes the table).
+engine-noise floor, on the same items (:mod:`harness.compare.parity_table` computes the table).
 
 Given finished runs (``simulation=DIR served=DIR [floor=DIR]``) it only compares them. Given a run
 config and a serve command instead (``model=... quant=fp8 slices=... serve="<command with {model} and
@@ -30,7 +30,7 @@ from typing import Any
 import pandas as pd
 
 from harness import cli
-from harness.compare.parity import ParityInputs, parity_table
+from harness.compare.parity_table import ParityInputs, parity_table
 from harness.compare.render.tables import PARITY_LEGEND, parity_markdown
 from harness.compare.sources import load_results_dir
 from harness.errors import UsageError

@@ -17,7 +17,6 @@ Conventions shared by all functions, chosen so one bad element cannot silently d
 from __future__ import annotations
 
 import functools
-import math
 from typing import Literal
 
 import torch
@@ -29,7 +28,6 @@ __all__ = [
     "Granularity",
     "NVFP4_BLOCK_SIZE",
     "NVFP4_ZERO_BLOCK_SCALE",
-    "bits_per_element",
     "e2m1_round",
     "fp8_cast",
     "fp8_quantize",
@@ -371,59 +369,3 @@ def mx_quantize(x: Tensor, elem: MxElement = "fp4_e2m1", *, block_size: int = 32
     scaled = blocks * _exp2_int(-shared)
     q = e2m1_round(scaled) if elem == "fp4_e2m1" else _fp8_round(scaled, elem.removeprefix("fp8_"))
     return (q * _exp2_int(shared)).reshape(x.shape).to(x.dtype)
-
-
-# ----------------------------------------------------------------------------------------- storage
-def bits_per_element(
-    fmt: str,
-    *,
-    bits: int = 8,
-    granularity: str = "channel",
-    group_size: int | None = None,
-    symmetric: bool = True,
-    in_features: int | None = None,
-    scale_bits: int | None = None,
-    block_shape: tuple[int, int] = (128, 128),
-    out_features: int | None = None,
-) -> float:
-    """Storage bits per weight, scales and zero points included.
-
-    ``fmt``: ``"int"`` (``bits`` wide), ``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"nvfp4"``, ``"mxfp4"``,
-    ``"mxfp8"``. ``scale_bits`` defaults to 16 for int (fp16 scales) and 32 for fp8 (fp32 scales, as
-    compressed-tensors and DeepSeek store them). An asymmetric int zero point costs ``bits`` bits per
-    scale. Per-tensor scales count only when both ``in_features`` and ``out_features`` are given
-    (otherwise negligible, 0); ``"channel"``/``"token"`` need ``in_features``; ``"block"`` (fp8) counts
-    partial edge tiles when both features are given. NVFP4 = 4 + 8/16 (+ 32/numel for the global scale
-    when both features are given); MX = element bits + 8/block (block 32 unless ``group_size``).
-    Examples: int4 g128 symmetric 4.125; nvfp4 4.5; mxfp4 4.25; mxfp8 8.25; fp8 block 8 + 32/16384.
-    """
-    numel = in_features * out_features if in_features and out_features else None
-    if fmt == "nvfp4":
-        return 4.0 + 8.0 / NVFP4_BLOCK_SIZE + (32.0 / numel if numel else 0.0)
-    if fmt in ("mxfp4", "mxfp8"):
-        block = group_size or 32
-        return (4.0 if fmt == "mxfp4" else 8.0) + 8.0 / block
-    if fmt == "int":
-        value_bits, per_scale = float(bits), float(16 if scale_bits is None else scale_bits)
-        per_scale += 0.0 if symmetric else bits
-    elif fmt in ("fp8_e4m3", "fp8_e5m2"):
-        value_bits, per_scale = 8.0, float(32 if scale_bits is None else scale_bits)
-    else:
-        raise ValueError(f"unknown format {fmt!r}; use int, fp8_e4m3, fp8_e5m2, nvfp4, mxfp4 or mxfp8")
-    if granularity == "tensor":
-        return value_bits + (per_scale / numel if numel else 0.0)
-    if granularity in ("channel", "token"):
-        if not in_features:
-            raise ValueError(f"granularity={granularity!r} needs in_features (elements per scale)")
-        return value_bits + per_scale / in_features
-    if granularity == "group":
-        if not group_size:
-            raise ValueError("granularity='group' needs group_size, e.g. group_size=128")
-        return value_bits + per_scale / group_size
-    if granularity == "block":
-        rows, cols = block_shape
-        if numel:
-            tiles = math.ceil(out_features / rows) * math.ceil(in_features / cols)
-            return value_bits + per_scale * tiles / numel
-        return value_bits + per_scale / (rows * cols)
-    raise ValueError(f"unknown granularity {granularity!r}; use tensor, channel, token, group or block")

@@ -129,7 +129,7 @@ def get_adapter(model: nn.Module) -> Adapter:
     if model_type not in _ADAPTERS:
         raise ValueError(
             f"no calibration adapter for model_type={model_type!r} ({type(model).__name__}); known: "
-            f"{sorted(_ADAPTERS)}. Fix: register one with harness.quant.adapters.register_adapter(Adapter(...)) "
+            f"{sorted(_ADAPTERS)}. Fix: register one with harness.quant.architectures.register_adapter(Adapter(...)) "
             "naming its norms and linears, or use a method without calibration (quant.method=rtn)")
     return _ADAPTERS[model_type]
 
@@ -392,7 +392,7 @@ def round_outside_blocks(model: nn.Module, adapter: Adapter, scheme: Any, target
     because the method's order of work would silently skip it.
     """
     from harness.quant.base import bits_for
-    from harness.quant.tensor import SchemeError, fake_quantize
+    from harness.quant.format_table import SchemeError, fake_quantize
 
     blocks_prefix = adapter.block_name(0).rsplit(".", 1)[0] + "."
     known = {f"{adapter.block_name(i)}.{n}" for i in range(len(adapter.blocks(model))) for n in adapter.linear_names()}

@@ -350,7 +350,7 @@ def scheme_weight_bytes(arch: Architecture, scheme: QuantConfig) -> tuple[float,
     """(weight bytes, bits per weight) of ``scheme`` on ``arch``'s shapes; bits per weight as
     :func:`harness.quant.base.bits_per_weight` counts it (kept linears at 16, the output head out)."""
     from harness.quant.base import _matches, bits_per_weight
-    from harness.quant.tensor import storage_bits
+    from harness.quant.format_table import storage_bits
 
     params = arch.total_params()
     quantized: dict[str, tuple[float, float]] = {}  # linear -> (parameters, bits per weight)
@@ -371,24 +371,14 @@ def scheme_weight_bytes(arch: Architecture, scheme: QuantConfig) -> tuple[float,
 
 
 # -------------------------------------------------------------------------------- KV
-def _spec_bits(spec: TensorQuantConfig | None, head_dim: int, group_tokens: int) -> float:
-    from harness.quant.formats import bits_per_element
-
-    if spec is None:
-        return float(REFERENCE_BITS)
-    if spec.granularity in ("tensor", "head"):  # a handful of scales per layer: nothing per token
-        elements = None
-    else:  # token: one scale per token and head; channel (KIVI keys): one per channel per group of tokens
-        elements = head_dim if spec.granularity == "token" else group_tokens
-    return bits_per_element(spec.format, bits=spec.bits, granularity="channel" if elements else "tensor",
-                            symmetric=spec.symmetric, in_features=elements, scale_bits=spec.scale_bits)
-
-
 def kv_bits_per_element(kv: KVCacheQuantConfig | None, head_dim: int) -> float:
     """Mean storage bits of one cached key or value element, scales and zero points included."""
     if kv is None:
         return float(REFERENCE_BITS)
-    return (_spec_bits(kv.keys, head_dim, kv.group_tokens) + _spec_bits(kv.values, head_dim, kv.group_tokens)) / 2
+    from harness.quant.format_table import kv_bits
+
+    sides = [REFERENCE_BITS if spec is None else kv_bits(spec, head_dim, kv.group_tokens) for spec in (kv.keys, kv.values)]
+    return float(sum(sides)) / 2
 
 
 def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, bits_per_element: float = 16.0) -> float:
@@ -523,7 +513,7 @@ def build_ledger(model_name: str, arch: Architecture, scheme: QuantConfig, *, we
 def expert_bits(arch: Architecture, scheme: QuantConfig) -> float:
     """Storage bits per weight of one routed expert under ``scheme`` (16 when it keeps the experts)."""
     from harness.quant.base import _matches
-    from harness.quant.tensor import storage_bits
+    from harness.quant.format_table import storage_bits
 
     if not arch.num_experts or scheme.weights is None:
         return float(REFERENCE_BITS)

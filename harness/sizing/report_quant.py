@@ -25,7 +25,7 @@ import pandas as pd
 
 from harness import cli, quant
 from harness.config import RunConfig
-from harness.decision.ledger import (  # noqa: F401 (re-exported)
+from harness.sizing.ledger import (  # noqa: F401 (re-exported)
     DEFAULT_GPUS,
     EXTRAPOLATE_PARAMS,
     GPU_BANDWIDTH,

@@ -669,7 +669,7 @@ def weight_report(reference_model: Any, candidate_model: Any, scheme: CandidateS
     if not report.layers and not report.kept:
         raise CandidateError(f"candidate {scheme.name!r}: none of the reference's {linears} linears is in it with the "
                              "same name and dense weight shape, so its weights cannot be compared (a weight report "
-                             "over 0 layers); load it with a library that dequantizes it (see harness/candidate.py) "
+                             "over 0 layers); load it with a library that dequantizes it (see docs/guides/checkpoints-and-export.md) "
                              "or pick the reference it was made from")
     report.kept_params, report.output_head, report.input_embedding = linear_census(reference_model, report.kept)
     report.coverage = candidate_coverage(reference_model, scheme)

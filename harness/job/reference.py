@@ -12,7 +12,7 @@ the other job ended without finishing it, the unquantized model is loaded again 
 reference computed here: the sweep still completes, at the cost of one extra load and, while
 the reference runs, both models in memory.
 
-(Not ``harness/reference.py``: a submodule of that name would shadow the public API's
+(Not a top-level module ``harness.reference``: a submodule of that name would shadow the public API's
 ``harness.reference`` function once imported.)
 """
 from __future__ import annotations

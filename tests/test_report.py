@@ -25,7 +25,7 @@ def _comparison() -> summary.Comparison:
         rows.append({"item_id": f"c{index}", "slice": "code", "sub_slice": "all", "cluster": None,
                      "correct_ref": float(index % 2), "correct_quant": float(index % 2 or index == 4)})
     items = pd.DataFrame(rows)
-    item_stats = summary.compare_items(items, CompareConfig(n_resamples=200))
+    item_stats = summary.paired_statistics(items, CompareConfig(n_resamples=200))
     token_stats = pd.DataFrame({"slice": ["math"], "bucket": ["all"], "kl_mean": [0.01], "kl_se": [0.002],
                                 "top1_agree": [0.9], "ppl_ref": [3.0], "ppl_quant": [3.1]})
     return summary.Comparison(items=items, item_stats=item_stats, token_stats=token_stats,

@@ -17,7 +17,7 @@ from harness.config import CompareConfig, GateConfig, SliceConfig
 from harness.decision import gate
 from harness.evaluation import evaluate
 from harness.evaluation import sequential_run as seqeval
-from harness.results.summary import compare_items, pair_items
+from harness.results.summary import paired_statistics, pair_items
 
 COMPARE = {"n_resamples": 1000, "ci_level": 0.95, "seed": 0, "margin": 0.02, "correction": "holm"}
 MODEL = {"name": "m", "source": "hf", "path": "org/m", "gguf_file": None, "revision": None, "dtype": "float32"}
@@ -65,12 +65,12 @@ def _paired(n: int, strata: int, seed: int) -> pd.DataFrame:
 
 def test_the_comparison_is_stratified_where_records_carry_strata_and_unchanged_where_not() -> None:
     items = _paired(200, 5, 1)
-    table = compare_items(items, CompareConfig())
+    table = paired_statistics(items, CompareConfig())
     row = table[table["level"] == "slice"].iloc[0]
     direct = stats.paired_compare(items["correct_ref"], items["correct_quant"], clusters=items["cluster"],
                                   strata=items["stratum"], margin=CompareConfig().margin)
     assert (row["delta_ci_low"], row["delta_ci_high"]) == direct.delta_ci and row["n_strata"] == 5
-    before = compare_items(items.drop(columns="stratum"), CompareConfig())
+    before = paired_statistics(items.drop(columns="stratum"), CompareConfig())
     unstratified = stats.paired_compare(items["correct_ref"], items["correct_quant"], clusters=items["cluster"],
                                         margin=CompareConfig().margin)
     assert tuple(before[before["level"] == "slice"].iloc[0][["delta_ci_low", "delta_ci_high"]]) == unstratified.delta_ci

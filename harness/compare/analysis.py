@@ -98,7 +98,7 @@ def analyse(runs: Sequence[RunData], options: CompareOptions) -> ComparisonRepor
         run_rows.append({**identity, "run_id": run.run_id, "method": run.summary.get("method", ""),
                          "bits_per_weight": run.bits_per_weight, "slices": ",".join(run.summary.get("slices", [])),
                          "n_items": len(run.items), "run_key": run.summary.get("run_key"), "source": run.source})
-        item_parts.append(summary.compare_items(run.items, settings).assign(**identity))
+        item_parts.append(summary.paired_statistics(run.items, settings).assign(**identity))
         if not run.tokens.empty:
             token_parts.append(summary.summarize_tokens(run.tokens, options.position_buckets).assign(**identity))
             columns = [c for c in ("slice", "position", "kl", "kl_reverse") if c in run.tokens]

@@ -93,7 +93,7 @@ def generation_divergence(items: pd.DataFrame, tokenize) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["slice", "n_generative", "identical_rate", "first_diff_mean", "first_diff_median"])
 
 
-def compare_items(items: pd.DataFrame, cfg: CompareConfig) -> pd.DataFrame:
+def paired_statistics(items: pd.DataFrame, cfg: CompareConfig) -> pd.DataFrame:
     """Paired statistics overall, per slice and per sub-slice, corrected across all rows; stratified by
     the items' declared strata (and, overall, by slice) where the records carry them."""
     frame = items.assign(overall="overall")
@@ -172,6 +172,6 @@ def summarize_tokens(tokens: pd.DataFrame, edges: list[int]) -> pd.DataFrame:
 def build(ref_items: pd.DataFrame, quant_items: pd.DataFrame, tokens: pd.DataFrame, cfg: CompareConfig,
           edges: list[int], tokenize) -> Comparison:
     items = pair_items(ref_items, quant_items)
-    return Comparison(items=items, item_stats=compare_items(items, cfg),
+    return Comparison(items=items, item_stats=paired_statistics(items, cfg),
                       token_stats=summarize_tokens(tokens, edges),
                       generation=generation_divergence(items, tokenize))

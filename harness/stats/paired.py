@@ -61,7 +61,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 import numpy as np
 import pandas as pd
@@ -70,7 +70,7 @@ from scipy import stats as sps
 
 from harness.stats.intervals import clustered_variance, effective_scale, wilson
 from harness.stats.multiple import adjust_pvalues
-from harness.stats.score import restricted_loss, score_test
+from harness.stats.score import ScoreTest, restricted_loss, score_test
 from harness.stats.strata import estimable_strata, cluster_variance, stratum_codes
 from harness.stats.verdict import verdict_label
 
@@ -248,6 +248,165 @@ def flip_table(ref: ArrayLike, quant: ArrayLike) -> dict[str, int]:
     }
 
 
+class _FlipFields(TypedDict):
+    """The ``PairedResult`` fields of the flips: counts, rates and their descriptive intervals."""
+
+    flips_right_to_wrong: int
+    flips_wrong_to_right: int
+    flip_rate: float
+    flip_rate_ci: tuple[float, float]
+    right_to_wrong_rate: float
+    right_to_wrong_ci: tuple[float, float]
+    wrong_to_right_rate: float
+    wrong_to_right_ci: tuple[float, float]
+
+
+class _DeltaFields(TypedDict):
+    """The ``PairedResult`` fields of Δ: the estimate, what the score test says about it, and its power."""
+
+    delta: float
+    delta_ci: tuple[float, float]
+    delta_se: float
+    delta_p: float
+    design_effect: float
+    mde: float
+    ci_method: str
+    n_strata: int
+    n_clusters_within: int
+
+
+class _MarginFields(TypedDict):
+    """The ``PairedResult`` fields a margin enables (all None without one)."""
+
+    margin: float | None
+    noninferiority_p: float | None
+    inferiority_p: float | None
+    tost_p: float | None
+    n_needed: int | None
+    settleable: bool | None
+
+
+def _paired_scores(ref: ArrayLike, quant: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+    """The two models' scores as float arrays, checked to be scores of the same number of items."""
+    ref_scores = _as_scores(ref, "ref")
+    quant_scores = _as_scores(quant, "quant")
+    if quant_scores.size != ref_scores.size:
+        raise ValueError(
+            f"ref has {ref_scores.size} items but quant has {quant_scores.size}: pass the same items in the same order"
+        )
+    return ref_scores, quant_scores
+
+
+def _check_options(ci_level: float, n_resamples: int, margin: float | None, min_clusters: int) -> None:
+    """Raise ValueError, naming the value, for the first of ``paired_compare``'s options out of its range."""
+    if not 0 < ci_level < 1:
+        raise ValueError(f"ci_level={ci_level!r} must lie in (0, 1), e.g. 0.95")
+    if int(n_resamples) != n_resamples or n_resamples < 1:
+        raise ValueError(f"n_resamples={n_resamples!r} must be a positive integer, e.g. 2000")
+    if margin is not None and not 0 < margin < 1:
+        raise ValueError(f"margin={margin!r} must lie in (0, 1) as a fraction of accuracy (0.01 = 1 point) or be None")
+    if isinstance(min_clusters, bool) or int(min_clusters) != min_clusters or min_clusters < 1:
+        raise ValueError(f"min_clusters={min_clusters!r} must be a positive integer, e.g. {MIN_CLUSTERS}")
+
+
+def _flip_rate_intervals(
+    codes: np.ndarray, per_item: np.ndarray, n_resamples: int, ci_level: float, seed: int
+) -> list[tuple[float, float]]:
+    """The descriptive ``ci_level`` interval of the mean of each column of ``per_item``: the percentile
+    of a paired cluster bootstrap where it is reliable, else Wilson's on the effective size; NaN with
+    fewer than 2 clusters (module docstring)."""
+    tail = (1 - ci_level) / 2
+    if int(codes.max()) + 1 < 2:
+        return [(math.nan, math.nan)] * per_item.shape[1]
+    z = float(sps.norm.ppf(1 - tail))
+    boot = _bootstrap_means(codes, per_item, n_resamples, np.random.default_rng(seed))
+    low, high = np.quantile(boot, [tail, 1 - tail], axis=0)
+    estimates = per_item.mean(axis=0)
+    intervals = []
+    for j in range(per_item.shape[1]):
+        if _bootstrap_reliable(codes, per_item[:, j]):
+            intervals.append(_bracket((float(low[j]), float(high[j])), float(estimates[j])))
+        else:
+            scale = effective_scale(codes, per_item[:, j], ci_level)
+            intervals.append(wilson(float(per_item[:, j].sum()) * scale, per_item.shape[0] * scale, z))
+    return intervals
+
+
+def _flip_fields(
+    ref_scores: np.ndarray, quant_scores: np.ndarray, codes: np.ndarray, n_resamples: int, ci_level: float, seed: int
+) -> _FlipFields:
+    """The flips (an item is right when its score >= ``RIGHT_THRESHOLD``): right -> wrong, wrong -> right
+    and either, counted, as rates of the items, and with their intervals (``_flip_rate_intervals``)."""
+    ref_right = ref_scores >= RIGHT_THRESHOLD
+    quant_right = quant_scores >= RIGHT_THRESHOLD
+    right_to_wrong = ref_right & ~quant_right
+    wrong_to_right = ~ref_right & quant_right
+    per_item = np.column_stack([right_to_wrong | wrong_to_right, right_to_wrong, wrong_to_right]).astype(float)
+    flip_ci, right_to_wrong_ci, wrong_to_right_ci = _flip_rate_intervals(codes, per_item, n_resamples, ci_level, seed)
+    n, n10, n01 = ref_scores.size, int(right_to_wrong.sum()), int(wrong_to_right.sum())
+    return _FlipFields(
+        flips_right_to_wrong=n10,
+        flips_wrong_to_right=n01,
+        flip_rate=(n10 + n01) / n,
+        flip_rate_ci=flip_ci,
+        right_to_wrong_rate=n10 / n,
+        right_to_wrong_ci=right_to_wrong_ci,
+        wrong_to_right_rate=n01 / n,
+        wrong_to_right_ci=wrong_to_right_ci,
+    )
+
+
+def _minimum_detectable_effect(test: ScoreTest, delta: float, discordance: float, n: int, ci_level: float) -> float:
+    """``mde``: the drop a two-sided test at ``ci_level`` detects with 80 % power (module docstring); NaN
+    when the score test is not testable."""
+    if not test.testable:
+        return math.nan
+    z = float(sps.norm.ppf(1 - (1 - ci_level) / 2))
+    spread = max(discordance - delta * delta, 1.0 / n)
+    return (z + float(sps.norm.ppf(POWER))) * math.sqrt(spread * test.deff / n)
+
+
+def _delta_fields(
+    test: ScoreTest, diffs: np.ndarray, codes: np.ndarray, layers: np.ndarray | None, ci_level: float
+) -> _DeltaFields:
+    """Δ (the mean of ``diffs``) with the one inference about it, the clustered score ``test``: its
+    interval at ``ci_level`` and p-value of no change; with the descriptive SE, the design effect, the
+    ``mde`` and the strata and clusters the test counted."""
+    delta = float(diffs.mean())
+    return _DeltaFields(
+        delta=delta,
+        delta_ci=test.interval(ci_level),
+        delta_se=_clustered_se(codes, diffs) if test.n_strata == 1 else _stratified_se(codes, layers, diffs),
+        delta_p=test.p_two_sided(0.0),
+        design_effect=test.deff,
+        mde=_minimum_detectable_effect(test, delta, float(np.abs(diffs).mean()), diffs.size, ci_level),
+        ci_method="score" if test.testable else "none",
+        n_strata=test.n_strata,
+        n_clusters_within=test.n_clusters - test.components + 1,
+    )
+
+
+def _margin_fields(test: ScoreTest, diffs: np.ndarray, margin: float | None, ci_level: float) -> _MarginFields:
+    """The margin p-values of the score ``test`` (non-inferiority, inferiority, equivalence), whether
+    non-inferiority can be shown (``settleable``) and the items for 80 % power to show it (``n_needed``)."""
+    if margin is None:
+        return _MarginFields(margin=None, noninferiority_p=None, inferiority_p=None, tost_p=None, n_needed=None,
+                             settleable=None)
+    noninferiority_p = test.p_greater(-margin)
+    settleable = bool(float(diffs.mean()) > -margin)
+    n_needed: int | None = None
+    if settleable and test.testable:
+        n_needed = noninferiority_items(float(np.abs(diffs).mean()), test.deff, margin, (1 - ci_level) / 2)
+    return _MarginFields(
+        margin=float(margin),
+        noninferiority_p=noninferiority_p,
+        inferiority_p=test.p_less(-margin),
+        tost_p=max(noninferiority_p, test.p_less(margin)),
+        n_needed=n_needed,
+        settleable=settleable,
+    )
+
+
 def paired_compare(
     ref: ArrayLike,
     quant: ArrayLike,
@@ -275,108 +434,29 @@ def paired_compare(
     (descriptive) flip-rate intervals only. With fewer than ``min_clusters`` clusters the
     verdict is ``"too few clusters"``.
     """
-    ref_scores = _as_scores(ref, "ref")
-    quant_scores = _as_scores(quant, "quant")
+    ref_scores, quant_scores = _paired_scores(ref, quant)
+    _check_options(ci_level, n_resamples, margin, min_clusters)
     n = ref_scores.size
-    if quant_scores.size != n:
-        raise ValueError(f"ref has {n} items but quant has {quant_scores.size}: pass the same items in the same order")
-    if not 0 < ci_level < 1:
-        raise ValueError(f"ci_level={ci_level!r} must lie in (0, 1), e.g. 0.95")
-    if int(n_resamples) != n_resamples or n_resamples < 1:
-        raise ValueError(f"n_resamples={n_resamples!r} must be a positive integer, e.g. 2000")
-    if margin is not None and not 0 < margin < 1:
-        raise ValueError(f"margin={margin!r} must lie in (0, 1) as a fraction of accuracy (0.01 = 1 point) or be None")
-    if isinstance(min_clusters, bool) or int(min_clusters) != min_clusters or min_clusters < 1:
-        raise ValueError(f"min_clusters={min_clusters!r} must be a positive integer, e.g. {MIN_CLUSTERS}")
-
     codes = cluster_codes(clusters, n)
     layers = None if strata is None else estimable_strata(stratum_codes(strata, n), codes)
     n_clusters = int(codes.max()) + 1
     diffs = quant_scores - ref_scores
-    ref_right = ref_scores >= RIGHT_THRESHOLD
-    quant_right = quant_scores >= RIGHT_THRESHOLD
-    right_to_wrong = ref_right & ~quant_right
-    wrong_to_right = ~ref_right & quant_right
-    flips = right_to_wrong | wrong_to_right
-    n10, n01 = int(right_to_wrong.sum()), int(wrong_to_right.sum())
 
-    # Flip-rate intervals (descriptive): bootstrap where reliable, else Wilson on the effective size.
-    per_item = np.column_stack([flips, right_to_wrong, wrong_to_right]).astype(float)
-    tail = (1 - ci_level) / 2
-    z = float(sps.norm.ppf(1 - tail))
-    if n_clusters < 2:
-        flip_cis = [(math.nan, math.nan)] * per_item.shape[1]
-    else:
-        boot = _bootstrap_means(codes, per_item, int(n_resamples), np.random.default_rng(seed))
-        low, high = np.quantile(boot, [tail, 1 - tail], axis=0)
-        estimates = per_item.mean(axis=0)
-        flip_cis = []
-        for j in range(per_item.shape[1]):
-            if _bootstrap_reliable(codes, per_item[:, j]):
-                flip_cis.append(_bracket((float(low[j]), float(high[j])), float(estimates[j])))
-            else:
-                scale = effective_scale(codes, per_item[:, j], ci_level)
-                flip_cis.append(wilson(float(per_item[:, j].sum()) * scale, n * scale, z))
-
-    # Δ: the one inference (harness.stats.score).
-    test = score_test(diffs, codes, layers)
-    delta = float(diffs.mean())
-    delta_se = _clustered_se(codes, diffs) if test.n_strata == 1 else _stratified_se(codes, layers, diffs)
-    delta_ci = test.interval(ci_level)
-    delta_p = test.p_two_sided(0.0)
-    ci_method = "score" if test.testable else "none"
-
-    discordance = float(np.abs(diffs).mean())
-    design_effect = test.deff
-    z_power = float(sps.norm.ppf(POWER))
-    if not test.testable:
-        mde = math.nan
-    else:
-        spread = max(discordance - delta * delta, 1.0 / n)
-        mde = (z + z_power) * math.sqrt(spread * design_effect / n)
-
-    noninferiority_p = inferiority_p = tost_p = None
-    n_needed: int | None = None
-    settleable: bool | None = None
-    if margin is not None:
-        noninferiority_p, inferiority_p = test.p_greater(-margin), test.p_less(-margin)
-        tost_p = max(noninferiority_p, test.p_less(margin))
-        settleable = bool(delta > -margin)
-        if settleable and test.testable:
-            n_needed = noninferiority_items(discordance, design_effect, margin, tail)
-
-    verdict = verdict_label(lo=delta_ci[0], hi=delta_ci[1], n_clusters=n_clusters, min_clusters=int(min_clusters),
-                            margin=margin)
+    flips = _flip_fields(ref_scores, quant_scores, codes, int(n_resamples), ci_level, seed)
+    test = score_test(diffs, codes, layers)  # Δ: the one inference (harness.stats.score)
+    delta = _delta_fields(test, diffs, codes, layers, ci_level)
+    lo, hi = delta["delta_ci"]
+    verdict = verdict_label(lo=lo, hi=hi, n_clusters=n_clusters, min_clusters=int(min_clusters), margin=margin)
     return PairedResult(
         n=n,
         acc_ref=float(ref_scores.mean()),
         acc_quant=float(quant_scores.mean()),
-        delta=delta,
-        delta_ci=delta_ci,
         ci_level=float(ci_level),
-        delta_se=delta_se,
-        delta_p=delta_p,
-        design_effect=design_effect,
-        flips_right_to_wrong=n10,
-        flips_wrong_to_right=n01,
-        flip_rate=(n10 + n01) / n,
-        flip_rate_ci=flip_cis[0],
-        right_to_wrong_rate=n10 / n,
-        right_to_wrong_ci=flip_cis[1],
-        wrong_to_right_rate=n01 / n,
-        wrong_to_right_ci=flip_cis[2],
         n_clusters=n_clusters,
-        margin=None if margin is None else float(margin),
-        noninferiority_p=noninferiority_p,
-        inferiority_p=inferiority_p,
-        tost_p=tost_p,
         verdict=verdict,
-        mde=mde,
-        n_needed=n_needed,
-        settleable=settleable,
-        ci_method=ci_method,
-        n_strata=test.n_strata,
-        n_clusters_within=test.n_clusters - test.components + 1,
+        **flips,
+        **delta,
+        **_margin_fields(test, diffs, margin, ci_level),
     )
 
 

@@ -168,8 +168,33 @@ def test_without_a_terminal_a_long_slice_reports_its_count_now_and_then(monkeypa
         display.items("reference", "math", 100, 100)  # the slice's end, long after: no second line
     lines = [line.split("] ", 1)[1] for line in out.getvalue().splitlines()]
     assert len(lines) == 3  # 10 updates over 2.25 intervals: one line per interval, then the finished one
-    assert lines[0].startswith("reference · math: 4/100 items") and "ETA" in lines[0]
+    assert lines[0].startswith("reference · math: 4/100 items") and "ETA" not in lines[0]  # too few to estimate
     assert lines[2].startswith("reference · math: 100/100 items")
+
+
+def test_an_eta_waits_for_a_tenth_of_the_items():
+    """One item of 48 done after 20 s said 'ETA 0:15:40' for a batch that then finished at once."""
+    row = progress._Row(done=1, total=48, started=0.0)
+    assert row.eta_s(20.0) is None
+    row.done = 4
+    assert row.eta_s(20.0) is None  # 4 < 4.8
+    row.done = 5
+    assert row.eta_s(20.0) == pytest.approx(43 / (5 / 20.0))
+    assert progress._Row(done=2, total=10, started=0.0).eta_s(4.0) is None  # at least 3 items
+    assert progress._Row(done=3, total=10, started=0.0).eta_s(3.0) == pytest.approx(7.0)
+
+
+def test_a_stage_entered_twice_is_printed_once_and_its_time_adds_up():
+    out = io.StringIO()
+    display = progress.Display(stream=out, terminal=False)
+    with display:
+        display.stage("write")
+        display.stage("write", 0.5)
+        display.stage("write")
+        display.stage("write", 0.25)
+    lines = [line.split("] ", 1)[1] for line in out.getvalue().splitlines()]
+    assert lines == ["▶ write", "✓ write 0.5 s"]
+    assert display.stages["write"][1] == pytest.approx(0.75)
 
 
 def test_the_live_block_shows_each_side_with_items_speed_and_eta(monkeypatch):

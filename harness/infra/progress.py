@@ -40,6 +40,8 @@ from typing import Any, Callable, Iterator
 log = logging.getLogger("harness")
 
 LINE_INTERVAL_S = 60.0  # without a terminal: a running slice's count at most this often
+ETA_MIN_SHARE = 0.1  # an ETA once this share of a slice's items is done ...
+ETA_MIN_ITEMS = 3  # ... and at least this many
 SIDES = ("reference", "quantized")
 REQUEST_METHODS = ("generate_until", "loglikelihood", "loglikelihood_rolling")
 
@@ -329,8 +331,16 @@ class _Row:
         return (self.tokens - self.tokens_start) / elapsed if elapsed > 0.5 else None
 
     def eta_s(self, now: float) -> float | None:
+        """Time left at the rate so far, once enough is done to estimate it (None before that).
+
+        Items finish in batches, so the first to finish says little about the rest: a long-context
+        slice's first item of 48 estimated 1 h 13 min for a stage that took 161 s. No estimate before
+        ``ETA_MIN_SHARE`` of the items (and at least ``ETA_MIN_ITEMS``) are done.
+        """
         rate = self.rate(now)
-        return None if rate is None or self.ended is not None else (self.total - self.done) / rate
+        if rate is None or self.ended is not None or self.done < max(ETA_MIN_ITEMS, ETA_MIN_SHARE * self.total):
+            return None
+        return (self.total - self.done) / rate
 
 
 class _Header:
@@ -400,12 +410,15 @@ class Display(Reporter):
             if seconds is None:
                 previous = self.stages.get(name)
                 self.stages[name] = [now, None if previous is None else previous[1]]
-                self._line(f"▶ {name}")
+                if previous is None:  # a stage entered again (the job writes twice) is printed once
+                    self._line(f"▶ {name}")
             else:
                 entry = self.stages.setdefault(name, [now, None])
+                again = entry[1] is not None
                 entry[1] = (entry[1] or 0.0) + seconds
                 entry[0] = None
-                self._line(f"✓ {name} {seconds:.1f} s")
+                if not again:  # its total goes on in the header
+                    self._line(f"✓ {name} {seconds:.1f} s")
 
     def note(self, side_name: str, slice_name: str, text: str) -> None:
         """A side of a slice that needs no counting (e.g. its reference came from the cache)."""

@@ -4,7 +4,8 @@ Hydra composes and validates the config; errors a user can fix (an unknown confi
 a model that cannot be loaded, a scheme that cannot apply, an unusable slice or tracking store —
 :func:`harness.cli.user_errors`) print one ``error: ...`` line naming the fix and exit with
 status 2, without Hydra's "Error executing job" traceback. A disk that fills up during the job
-prints one line too (where, how much, how to resume) and exits with 75. Real bugs keep their traceback.
+prints one line too (where, how much, how to resume) and exits with 75; Ctrl-C prints one line (what
+is kept, how to resume) and exits with 130. Real bugs keep their traceback.
 The console shows the job's progress and the harness's messages; libraries' messages go to
 ``results/<run>/job.log`` (:func:`harness.infra.joblog.job_console`; ``hydra.verbose=true`` shows them too).
 """
@@ -21,6 +22,14 @@ from harness.infra import joblog
 
 register_configs()
 
+EXIT_INTERRUPTED = 130  # a shell's status for a process ended by SIGINT
+
+
+def interrupted_message(cfg: DictConfig) -> str:
+    """What Ctrl-C keeps and how to go on: finished work is cached, so the same command resumes."""
+    return (f"the references and answers finished so far are kept (cache: {cfg.paths.cache_dir}; request "
+            f"checkpoints: {cfg.paths.results_dir}); run the same command again to resume from them")
+
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
@@ -34,6 +43,9 @@ def main(cfg: DictConfig) -> float | None:
             result = run(cfg)
     except cli.user_errors() as exc:
         sys.exit(cli.fail(str(exc)))  # SystemExit passes Hydra's job wrapper: no traceback around it
+    except KeyboardInterrupt:  # Ctrl-C: one line; a server the job started is stopped by its own exit handler
+        print(f"\ninterrupted: {interrupted_message(cfg)}", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
     except Exception as exc:  # a full disk mid-job: one line, a status of its own, a rerun resumes
         if not disk.is_disk_full(exc):
             raise

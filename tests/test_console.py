@@ -103,3 +103,26 @@ def test_the_default_job_into_a_file_prints_one_line_per_step(tmp_path, cache_di
     assert sorted((side, name) for side, name, _, _ in finished) == sorted(
         (side, name) for side in ("reference", "quantized") for name in SLICES)
     assert_final_table(text)
+
+
+def test_ctrl_c_mid_job_prints_one_line_naming_what_is_kept_and_how_to_resume(tmp_path, cache_dir, mlflow_template):
+    """Ctrl-C in a terminal signals the whole foreground group: the job and its reference process alike."""
+    import signal
+    import time
+
+    out = tmp_path / "job.txt"
+    with out.open("w") as handle:
+        job = subprocess.Popen(job_command(tmp_path, cache_dir, mlflow_template), cwd=REPO_DIR, stdout=handle,
+                               stderr=subprocess.STDOUT, start_new_session=True,
+                               env={**os.environ, "PYTHONPATH": str(REPO_DIR)})
+        deadline = time.monotonic() + 300
+        while "▶ evaluate" not in out.read_text() and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert job.poll() is None, out.read_text()[-3000:]
+        os.killpg(job.pid, signal.SIGINT)
+        status = job.wait(timeout=120)
+    text = out.read_text()
+    assert status == 130, text[-3000:]
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    [line] = [line for line in text.splitlines() if line.startswith("interrupted:")]
+    assert str(cache_dir) in line and "run the same command again to resume" in line

@@ -330,6 +330,8 @@ def _child(spec: ReferenceSpec, model: ModelConfig, cache_dir: str, slices: list
                 os.utime(heartbeat)
         try:
             compute_reference(loaded, slice_, spec, cache)
+        except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: the parent says what is kept
+            return
         except BaseException:  # noqa: BLE001 - the parent finds the entry missing and computes it
             log.exception("reference for slice %s failed in the reference process; the job computes it", slice_.name)
         finally:

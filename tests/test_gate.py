@@ -214,7 +214,9 @@ def test_bad_input_is_refused_with_a_clear_message(tmp_path, capsys):
 
     other = write_run(tmp_path / "results" / "other", items, model={**MODEL, "name": "n", "path": "org/n"})
     assert gate.main([str(run), str(other), f"out={tmp_path}"]) == gate.EXIT_BAD_INPUT
-    assert "different reference models" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "different reference models (m (org/m): 1 run; n (org/n): 1 run)" in err
+    assert f"`python -m harness.gate {run} {other} model=m` or `python -m harness.gate {run} {other} model=n`" in err
     assert gate.main([str(tmp_path / "results"), "model=m"]) == 0  # picking one model's runs is the fix
     assert gate.main([str(tmp_path / "results"), "model=zz"]) == gate.EXIT_BAD_INPUT
     assert "models there: m, n" in capsys.readouterr().err

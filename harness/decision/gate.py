@@ -110,7 +110,7 @@ def decide(paths: list[Path], cfg: GateConfig, model: str | None = None, sweep: 
             raise GateInputError(f"no run tagged {SWEEP_TAG}={sweep!r}; sweep ids there: "
                                  f"{', '.join(sorted(filter(None, map(str, ids.values())))) or 'none'}")
     runs = [load_run(d) for d in directories]
-    check_same_model(runs)
+    check_same_model(runs, paths)
     check_slice_names(cfg, runs)
     return GateDecision([decide_run(r, cfg) for r in runs], OmegaConf.to_container(OmegaConf.structured(cfg)))
 

@@ -124,13 +124,20 @@ def run_identity(directory: Path) -> dict[str, Any]:
     return {"model": model, "sweep_id": None if sweep_id is None else str(sweep_id)}
 
 
-def check_same_model(runs: list[RunResults]) -> None:
-    """One gate decides for one reference model: runs of different models are refused."""
-    identities = {tuple((r.config.get("model") or {}).get(k) for k in _MODEL_IDENTITY): r for r in runs}
-    if len(identities) > 1:
-        names = sorted({f"{k[0]} ({k[2] or k[1]})" for k in identities})
-        raise GateInputError(f"the runs compare different reference models ({', '.join(names)}); gate one model's "
-                             "runs at a time: model=<name> picks them, or pass each run directory separately")
+def check_same_model(runs: list[RunResults], paths: list[Path] | None = None) -> None:
+    """One gate decides for one reference model: runs of different models are refused, with the
+    command that gates each model's runs (``model=<name>``)."""
+    groups: dict[tuple, list[RunResults]] = {}
+    for run in runs:
+        groups.setdefault(tuple((run.config.get("model") or {}).get(k) for k in _MODEL_IDENTITY), []).append(run)
+    if len(groups) > 1:
+        described = sorted(f"{key[0]} ({key[2] or key[1]}): {len(group)} run{'s' * (len(group) > 1)}"
+                           for key, group in groups.items())
+        where = " ".join(str(path) for path in paths or []) or "<results>"
+        commands = " or ".join(f"`python -m harness.gate {where} model={name}`"
+                               for name in sorted({str(key[0]) for key in groups}))
+        raise GateInputError(f"the runs compare different reference models ({'; '.join(described)}); gate one "
+                             f"model's runs at a time: {commands}")
 
 
 def check_config(cfg: GateConfig) -> None:

@@ -32,7 +32,7 @@ from harness.divergence import scoring as divergence
 from harness.models import loading as models
 from harness.config import REPO_DIR, CalibrationConfig, load_model_config
 from harness.quant import awq
-from harness.quant.base import QuantReport, target_linears
+from harness.quant import QuantReport, target_linears
 from harness.quant.calibration import calibration_tokens
 from harness.quant.format_table import fake_quantize
 
@@ -117,7 +117,7 @@ def main() -> None:
         coarse_to_fine = text.endswith("c")
         grid, search_samples, offset = (int(v) for v in (text.rstrip("c") + ":0").split(":")[:3])
         spec = copy.deepcopy(base_spec)
-        spec.awq.grid, spec.awq.search_samples, spec.awq.coarse_to_fine = grid, search_samples, coarse_to_fine
+        spec.settings.update(grid=grid, search_samples=search_samples, coarse_to_fine=coarse_to_fine)
         model = copy.deepcopy(reference)
         report = QuantReport(scheme="awq_w4g128", method="awq")
         load = os.getloadavg()[0]

@@ -39,7 +39,7 @@ from harness.models import loading as models
 from harness.infra.cache import Cache
 from harness.config import REPO_DIR, CalibrationConfig, SliceConfig, compose, load_model_config
 from harness.quant import awq, gptq
-from harness.quant.base import QuantReport, target_linears, with_model_defaults
+from harness.quant import QuantReport, target_linears, with_model_defaults
 from harness.quant.calibration import CalibrationContext, offline_corpus
 from harness.quant.rtn import quantize_weights_rtn
 from harness.evaluation.slices import resolve

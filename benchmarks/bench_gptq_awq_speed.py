@@ -33,7 +33,7 @@ from harness.models import loading as models
 from harness.infra.cache import Cache
 from harness.config import REPO_DIR, CalibrationConfig, compose, load_model_config
 from harness.quant import awq, gptq
-from harness.quant.base import QuantReport, target_linears, with_model_defaults
+from harness.quant import QuantReport, method_settings, target_linears, with_model_defaults
 from harness.quant.calibration import CalibrationContext
 
 SCHEMES = {"gptq": "gptq_w4g128", "awq": "awq_w4g128"}
@@ -48,13 +48,13 @@ def baseline_module(method: str, revision: str) -> ModuleType:
     module.__dict__["__file__"] = f"{revision}:harness/quant/{method}.py"
     sys.modules[spec.name] = module  # dataclasses look their module up here
     # register_method refuses a second "gptq": run the old source with a no-op registry.
-    import harness.quant.base as base
-    register = base.register_method
-    base.register_method = lambda *a, **k: (lambda fn: fn)
+    from harness.quant import methods
+    register = methods.register_method
+    methods.register_method = lambda *a, **k: (lambda fn: fn)
     try:
         exec(compile(source, module.__file__, "exec"), module.__dict__)
     finally:
-        base.register_method = register
+        methods.register_method = register
     return module
 
 
@@ -75,7 +75,7 @@ def quantize(module: ModuleType, method: str, reference: torch.nn.Module, spec, 
             phases = {"forward": times.forward, "hessian": times.hessian, "solve": times.solve}
     else:
         outcome = module.quantize_awq(model, spec, tokens, "cpu", report, batch_size=8,
-                                      search_samples=spec.awq.search_samples)
+                                      search_samples=method_settings(spec).search_samples)
         phases = {f"{k}_wall": v for k, v in getattr(outcome, "seconds", {}).items()}
         phases |= {f"{k}_cpu": v for k, v in getattr(outcome, "cpu_seconds", {}).items()}
     return {"wall_s": round(time.perf_counter() - start, 1), "cpu_s": round(cpu_seconds() - cpu, 1),
@@ -107,8 +107,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--blocks", type=int, default=0, help="keep only the first N blocks (0: all)")
     parser.add_argument("--set", action="append", default=[], metavar="OVERRIDE",
-                        help="scheme override, e.g. quant.awq.search_samples=4 (quant.awq.* / quant.gptq.* apply to "
-                             "that method only)")
+                        help="scheme override, e.g. awq:quant.settings.search_samples=4 (a <method>: prefix "
+                             "applies it to that method only)")
     parser.add_argument("--cache-dir", default=os.environ.get("HARNESS_CACHE_DIR", "~/.cache/quant-harness"))
     parser.add_argument("--out", type=Path, default=REPO_DIR / "benchmarks" / "results" / "gptq_awq_speed.json")
     args = parser.parse_args()
@@ -125,8 +125,8 @@ def main() -> None:
                      "methods": {}}
     current = {"gptq": gptq, "awq": awq}
     for method in args.method or ["gptq", "awq"]:
-        overrides = [o for o in args.set if not o.startswith(("quant.awq.", "quant.gptq.")) or
-                     o.startswith(f"quant.{method}.")]
+        overrides = [o.removeprefix(f"{method}:") for o in args.set
+                     if not o.startswith(tuple(f"{m}:" for m in SCHEMES)) or o.startswith(f"{method}:")]
         spec = with_model_defaults(OmegaConf.to_object(compose([f"quant={SCHEMES[method]}", *overrides]).quant),
                                    model_cfg.ragged_groups)
         context = CalibrationContext(model_key=loaded.key, tokenizer=loaded.tokenizer, config=calibration,

@@ -48,7 +48,7 @@ from harness.models import loading as models  # noqa: E402
 from harness.infra.cache import Cache  # noqa: E402
 from harness.config import REPO_DIR, CalibrationConfig, compose, load_model_config  # noqa: E402
 from harness.quant import gptq  # noqa: E402
-from harness.quant.base import QuantReport, target_linears, with_model_defaults  # noqa: E402
+from harness.quant import QuantReport, method_settings, target_linears, with_model_defaults  # noqa: E402
 from harness.quant.calibration import CalibrationContext  # noqa: E402
 from harness.quant.rtn import quantize_weights_rtn  # noqa: E402
 
@@ -221,8 +221,9 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         "ablation_gptq_ctgrid": "harness GPTQ with quant.weights.int_range=full (compressed-tensors' grid)" if args.ablation else None,
         "peer": {k: peer_gptq["info"].get(k) for k in ("versions", "observers", "damp", "block_size", "actorder",
                                                         "batch_size", "weights_stored_dequantized")},
-        "harness_gptq": {"damp_percent": gptq_spec.gptq.damp_percent, "block_size": gptq_spec.gptq.block_size,
-                         "act_order": gptq_spec.gptq.act_order, "batch_size": 8},
+        "harness_gptq": {"damp_percent": method_settings(gptq_spec).damp_percent,
+                         "block_size": method_settings(gptq_spec).block_size,
+                         "act_order": method_settings(gptq_spec).act_order, "batch_size": 8},
         "per_layer_relative_error": relative,
         "machine": {"cpus": os.cpu_count(), "torch_threads": args.threads, "load_average_at_end": os.getloadavg()},
     })

@@ -38,7 +38,6 @@ from harness.divergence import scoring as divergence
 from harness.models import loading as models  # noqa: E402
 from harness.infra.cache import Cache  # noqa: E402
 from harness.config import compose  # noqa: E402
-from harness.quant import smoothquant  # noqa: E402,F401  (registers "smoothquant")
 from harness.quant.calibration import CalibrationContext  # noqa: E402
 from harness.planning.sensitivity import reference_texts  # noqa: E402
 

@@ -16,7 +16,7 @@ from harness.config import compose
 from harness.job import identity
 from harness.models import loading as models
 from harness import quant
-from harness.evaluation.endpoint import Client, EndpointSpec
+from harness.engines.openai_http import Client, EndpointSpec
 torch.set_num_threads(1)
 scheme, port = sys.argv[1], sys.argv[2]
 cfg = identity.to_config(compose(["model=smollm2_135m", f"quant={scheme}"]))

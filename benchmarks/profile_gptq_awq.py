@@ -23,7 +23,7 @@ from harness.models import loading as models
 from harness.infra.cache import Cache
 from harness.config import CalibrationConfig, compose, load_model_config
 from harness.quant import awq, gptq
-from harness.quant.base import QuantReport, with_model_defaults
+from harness.quant import QuantReport, method_settings, with_model_defaults
 from harness.quant.calibration import CalibrationContext
 
 SCHEMES = {"gptq": "gptq_w4g128", "awq": "awq_w4g128"}
@@ -66,7 +66,7 @@ def main() -> None:
             gptq.quantize_gptq(model, spec, tokens, "cpu", report, batch_size=8)
         else:
             awq.quantize_awq(model, spec, tokens, "cpu", report, batch_size=8,
-                             search_samples=spec.awq.search_samples)
+                             search_samples=method_settings(spec).search_samples)
         profiler.disable()
         print(f"\n== {method}: {args.samples} x {args.seq_len} tokens, {len(reference.model.layers)} blocks, "
               f"torch threads {torch.get_num_threads()}: wall {time.perf_counter() - start:.1f} s, "

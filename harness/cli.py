@@ -71,9 +71,12 @@ def _field_names(schema: type) -> set[str]:
 
 def group_option_problem(overrides: Sequence[str]) -> str | None:
     """Name unknown config-group options and list the available ones (Hydra does not for lists)."""
-    from harness.config import CONF_DIR
+    from harness.config import CONF_DIR, moved_settings_problem
 
     for arg in overrides:
+        moved = moved_settings_problem(arg.split("=", 1)[0])
+        if moved:
+            return moved
         match = re.fullmatch(r"(?:\+|~)?(model|quant|slices)=(.+)", arg)
         if not match:
             continue

@@ -6,6 +6,7 @@ model is loaded. One short comment per field says what changes when you flip it.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -67,7 +68,7 @@ class CandidateConfig:
     revision: Optional[str] = None  # hub revision of the candidate
     name: Optional[str] = None  # label in run names and MLflow; default: the path's last part
     trust_remote_code: bool = False
-    # A served candidate (harness.checkpoint.served): an OpenAI-compatible /v1/completions server answers
+    # A served candidate (harness.engines.served): an OpenAI-compatible /v1/completions server answers
     # the items instead of an in-process model, paired with the reference as any candidate (quant=external).
     endpoint: Optional[str] = None  # a running server's base URL, e.g. http://127.0.0.1:8000 (no credentials in it)
     serve: Optional[str] = None  # or a command the harness starts on a free loopback port, with {port} in it
@@ -113,36 +114,6 @@ class KVCacheQuantConfig:
 
 
 @dataclass
-class GPTQConfig:
-    damp_percent: float = 0.01  # fraction of mean(diag H) added to the diagonal
-    block_size: int = 128  # columns per lazy-update block
-    act_order: bool = False  # quantize columns by descending diag(H), static groups
-    static_groups: bool = True
-
-
-@dataclass
-class AWQConfig:
-    grid: int = 20  # points of the alpha grid in [0, 1)
-    duo_scaling: bool = False  # llm-compressor's mean|x|^a / mean|w|^(1-a) variant
-    clip: bool = True  # search a per-group clipping ratio after scaling
-    clip_grid: int = 20  # shrink steps of 1/clip_grid; max_shrink * clip_grid of them are tried
-    max_shrink: float = 0.5
-    # Calibration sequences the alpha and clip losses are measured on (0: all); the activation
-    # statistics always use every sequence. Search time grows linearly with it. SmolLM2: 4 instead of 8 moved
-    # held-out KL by -0.005 ± 0.003, as much as searching 8 other sequences did (benchmarks/results/awq_search.json).
-    search_samples: int = 4
-    # Evaluate every ~sqrt(grid)-th alpha, then the neighbourhood of the best: the full grid's choice whenever the
-    # loss curve has a single minimum (11 of 20 points). SmolLM2: same alpha in 89 of 90 groups, held-out KL
-    # unchanged within noise, 0.54x the search time (benchmarks/results/awq_search.json). false: every point.
-    coarse_to_fine: bool = True
-
-
-@dataclass
-class SmoothQuantConfig:
-    alpha: float = 0.5  # migration strength; 0.8-0.9 for larger models
-
-
-@dataclass
 class CalibrationConfig:
     # The calibration text's domain: prose (= offline, the default: stdlib docstrings) | code | multilingual | math
     # (offline, built from installed packages; harness.quant.calibration_sources) | dataset (below). The default's value
@@ -179,17 +150,14 @@ class QuantConfig:
     method: str = "rtn"  # rtn | gptq | awq | smoothquant, or one a plugin registers (harness.quant.register_method)
     # Modules imported before the scheme is checked; each registers methods or number formats on import.
     plugins: list[str] = field(default_factory=list)
-    # Settings of a method registered outside harness.quant, checked against its own dataclass
-    # (the built-in methods keep theirs in quant.gptq / quant.awq / quant.smoothquant).
+    # The method's settings (quant.settings.damp_percent=0.05 for gptq), checked against the settings dataclass
+    # its registration names (harness.quant.register_method); unset keys take that dataclass's defaults
     settings: dict[str, Any] = field(default_factory=dict)
     weights: Optional[TensorQuantConfig] = None  # None: weights stay in high precision
     activations: Optional[TensorQuantConfig] = None  # None: weight-only (W*A16)
     kv_cache: Optional[KVCacheQuantConfig] = None  # None: full-precision KV cache
     targets: list[str] = field(default_factory=lambda: ["*"])  # fnmatch patterns of Linear names
     keep: list[str] = field(default_factory=lambda: ["lm_head", "*embed*"])  # left in high precision
-    gptq: GPTQConfig = field(default_factory=GPTQConfig)
-    awq: AWQConfig = field(default_factory=AWQConfig)
-    smoothquant: SmoothQuantConfig = field(default_factory=SmoothQuantConfig)
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     moe: MoEQuantConfig = field(default_factory=MoEQuantConfig)
     # A scheme that would leave a matrix-shaped weight unquantized that no rule keeps (embedding, norm, router,
@@ -240,8 +208,9 @@ class EvalConfig:
     # (top-k + tail: a lower bound of KL, ~6% low at k=256 on SmolLM2; see benchmarks/).
     reference_store: str = "hidden"
     reference_topk: int = 256  # k for reference_store=topk
-    # hf: both sides through lm-eval's HFLM on the loaded model | vllm: through lm-eval's vLLM backend on the
-    # checkpoints (model.path and candidate.path; quant=external), the same engine a deployment serves with
+    # hf: both sides through lm-eval's HFLM on the loaded model | an in-process engine of harness.engines (vllm:
+    # lm-eval's vLLM backend) on the checkpoints (model.path and candidate.path; quant=external), the same engine a
+    # deployment serves with
     backend: str = "hf"
     # Greedy generation with backend=hf: harness (rows leave the batch as they finish; same replies, a
     # fraction of the decode steps on a CPU: harness.evaluation.generation) | hf (HF generate, as lm-eval runs it)
@@ -373,20 +342,47 @@ CONF_DIR = REPO_DIR / "conf"
 SLICES_DIR = REPO_DIR / "slices"
 
 
+# quant.gptq.*, quant.awq.* and quant.smoothquant.*: the built-in methods' settings sections before every
+# method's settings moved to quant.settings.* (a key, an override or a composition error naming one)
+_MOVED_SETTINGS = re.compile(r"\bquant\.(?:gptq|awq|smoothquant)\b(?:\.(\w+))?")
+
+
+def moved_settings_problem(text: str) -> str | None:
+    """The one-line fix when ``text`` names a key of the built-in methods' former settings sections, else None."""
+    match = _MOVED_SETTINGS.search(text)
+    if match is None:
+        return None
+    key = match.group(1)
+    new = f"quant.settings.{key}" if key else "quant.settings.<name>"
+    return (f"{match.group(0)} moved: every method's settings are quant.settings.* (a scheme YAML's settings: "
+            f"block); use {new}")
+
+
 def compose(overrides: list[str] | None = None, config_name: str = "config"):
     """Compose the run config exactly as ``python -m harness <overrides>`` would (no job run).
 
-    For notebooks, tests and the auxiliary commands: the same defaults, schemas and errors.
+    For notebooks, tests and the auxiliary commands: the same defaults, schemas and errors; a key of the
+    built-in methods' former settings sections is refused in one line naming its new key.
     """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from harness.errors import UsageError
 
     register_configs()
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra_compose(config_name=config_name, overrides=list(overrides or []))
+        try:
+            return hydra_compose(config_name=config_name, overrides=list(overrides or []))
+        except (HydraException, OmegaConfBaseException) as error:
+            problem = moved_settings_problem(str(error))
+            if problem is None:
+                raise
+            raise UsageError(problem) from error
 
 
 def load_model_config(name: str) -> ModelConfig:

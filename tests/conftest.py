@@ -23,7 +23,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
     torch's default is one thread per CPU; with every worker doing that, two workers on two
     cores run four spinning OpenMP threads, and every parallel region waits for a thread that
-    shares its core (harness/runtime.py measured 4x on this machine; a SmolLM2 test took 782 s
+    shares its core (harness/infra/runtime.py measured 4x on this machine; a SmolLM2 test took 782 s
     under xdist against 182 s alone). ``OMP_NUM_THREADS`` is set too, so the jobs a test starts
     (``runtime.threads=null`` reads it) and the subprocesses it spawns inherit the share. A
     value the user exported is kept.
@@ -65,6 +65,21 @@ def require_venv(python: Path, what: str, script: str) -> None:
     if os.environ.get("HARNESS_REQUIRE_SYSTEM_TESTS") == "1":
         pytest.fail(message + " (HARNESS_REQUIRE_SYSTEM_TESTS=1)")
     pytest.skip(message)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one thread: tiny models run fastest so, and are least disturbed by other jobs on the cores; the
+    previous count is restored when the module ends. A whole file: ``pytestmark =
+    pytest.mark.usefixtures("one_thread")``; one test: ``@pytest.mark.usefixtures("one_thread")`` (the rest of
+    its module then runs on one thread too); a module fixture: ``one_thread`` as its argument (hence module
+    scope)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")
@@ -124,13 +139,10 @@ def perturbed_llama_pair(vocab_size: int = 96, num_hidden_layers: int = 1) -> tu
     import copy
 
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=num_hidden_layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=128)
-    reference = LlamaForCausalLM(config).eval()
+    from tiny_models import tiny_llama
+
+    reference = tiny_llama(vocab_size, layers=num_hidden_layers, max_position_embeddings=128)
     with torch.no_grad():
         reference.lm_head.weight.mul_(8.0)
     quantized = copy.deepcopy(reference)
@@ -157,7 +169,7 @@ def quantized_tiny(name: str, *extra: str) -> tuple[Any, Any, dict, list]:
 
     from harness import quant
     from harness.sizing.report_quant import prepare
-    from harness.quant.base import target_linears
+    from harness.quant import target_linears
 
     cfg = OmegaConf.to_object(compose([f"quant={name}", "model=tiny_random", "quant.calibration.num_samples=8",
                                        "quant.calibration.seq_len=64", *extra]))

@@ -1,6 +1,6 @@
 """A small OpenAI-compatible ``/v1/completions`` server over an in-memory transformers model, for tests.
 
-It implements the protocol independently of ``harness.evaluation.endpoint``: it tokenizes text
+It implements the protocol independently of ``harness.engines.openai_endpoint``: it tokenizes text
 prompts itself, scores prompt tokens one unbatched forward at a time, generates greedily without a
 KV cache, and cuts replies at stop strings, so an endpoint candidate evaluated through it can be
 compared item by item with the same model evaluated in process. Faults are switches: ``vocab_shift``

@@ -21,12 +21,10 @@ The SmolLM2 variant (a few items, bf16 is ~5x slower than fp32 on this CPU) is m
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import pandas as pd
 import pytest
-import torch
 
 from harness.divergence import scoring as divergence
 from harness.job import identity
@@ -40,6 +38,8 @@ TINY = ["model=tiny_random", "slices=[math]", "slices.math.n_items=18", "slices.
         "eval.max_gen_toks=8"]  # tiny_random never stops: its replies run to the cap
 RELATIVE = 0.25
 FLOOR_FACTOR = 4.0
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _cfg(root: Path, dtype: str, scheme: str, extra: list[str], results: str | None = None):
@@ -58,7 +58,6 @@ def _cache_root(tmp_path_factory, shared_model_cache: Path) -> Path:
 @pytest.fixture(scope="module")
 def tiny_runs(tmp_path_factory, shared_model_cache):
     """{(dtype, scheme): summary} for the null scheme and every scheme of SCHEMES, in both dtypes."""
-    torch.set_num_threads(1)
     root = _cache_root(tmp_path_factory, shared_model_cache)
     out = {}
     for dtype in ("float32", "bfloat16"):
@@ -135,8 +134,6 @@ def test_bf16_every_reference_store(tiny_runs):
 @pytest.mark.parametrize("store", ["hidden", "logprobs"])
 def test_smollm2_bf16_few_items(make_cfg, store):
     """SmolLM2 in bf16, a handful of items, RTN int4: completes with each exact store, KL finite."""
-    if os.environ.get("OMP_NUM_THREADS") is None:
-        torch.set_num_threads(1)
     result = run_mod.run(make_cfg("model=smollm2_135m", "model.dtype=bfloat16", "quant=int4_g128", "slices=[math]",
                                   "slices.math.n_items=6", "slices.math.divergence_texts=2",
                                   f"eval.reference_store={store}", "tracking.enabled=false",

@@ -2,22 +2,19 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from harness.infra.cache import Cache
 from harness.quant import calibrated_cache as cc
-from harness.quant.base import QuantReport
+from harness.quant import QuantReport
+from tiny_models import tiny_llama
 
 
-def _model(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    return LlamaForCausalLM(config).eval()
+llama = partial(tiny_llama, hidden_size=32, layers=3)
 
 
 NAMES = [f"model.layers.{i}.{n}.weight" for i in range(3) for n in ("self_attn.q_proj", "mlp.down_proj")]
@@ -34,7 +31,7 @@ def test_round_trip_is_exact_and_sharded_by_block(tmp_path: Path, monkeypatch) -
         written.append(sum(t.numel() * t.element_size() for t in tensors.values()))
         return real_save(tensors, path, *args, **kwargs)
     monkeypatch.setattr(st, "save_file", recording)
-    source, target = _model(0), _model(1)
+    source, target = llama(seed=0), llama(seed=1)
     cache = Cache(tmp_path)
     cc._store(source, NAMES, [], cache, "k")
     directory = cache.entry(cc.NAMESPACE, "k")
@@ -56,7 +53,7 @@ def test_round_trip_is_exact_and_sharded_by_block(tmp_path: Path, monkeypatch) -
 
 def test_a_single_file_entry_of_the_older_layout_still_loads(tmp_path: Path) -> None:
     from safetensors.torch import save_file
-    source, target = _model(0), _model(1)
+    source, target = llama(seed=0), llama(seed=1)
     directory = tmp_path / "entry"
     directory.mkdir()
     params = dict(source.named_parameters())
@@ -68,9 +65,8 @@ def test_a_single_file_entry_of_the_older_layout_still_loads(tmp_path: Path) -> 
 
 def test_an_entry_of_another_model_is_refused(tmp_path: Path) -> None:
     cache = Cache(tmp_path)
-    cc._store(_model(0), NAMES, [], cache, "k")
-    config = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2)
+    cc._store(llama(seed=0), NAMES, [], cache, "k")
+    other = llama(hidden_size=48, intermediate_size=64, seed=None)
     with pytest.raises(RuntimeError, match="does not match this model.*delete the entry"):
-        cc._load(LlamaForCausalLM(config), cache.entry(cc.NAMESPACE, "k"),
+        cc._load(other, cache.entry(cc.NAMESPACE, "k"),
                  QuantReport(scheme="s", method="gptq", total_params=0))

@@ -19,7 +19,7 @@ def exported(tmp_path_factory):
     """tiny_random quantized by the harness (int4 g128) and exported as compressed-tensors."""
     from harness import quant
     from harness.checkpoint import export
-    from harness.quant.base import target_linears
+    from harness.quant import target_linears
     from harness.sizing.report_quant import prepare
 
     cfg = OmegaConf.to_object(compose(["quant=int4_g128", "model=tiny_random"]))
@@ -159,7 +159,7 @@ def test_export_and_candidate_count_kept_linears_alike(tmp_path):
     written, the candidate's quant summary and a hand count agree (fp32 model: scales stored as fp32)."""
     from harness import quant
     from harness.checkpoint import export
-    from harness.quant.base import target_linears
+    from harness.quant import target_linears
     from harness.sizing.report_quant import prepare
 
     cfg = OmegaConf.to_object(compose(["quant=int4_g128", "model=tiny_random", f"paths.cache_dir={tmp_path}",

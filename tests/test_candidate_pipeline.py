@@ -15,7 +15,7 @@ from harness import cli, quant
 from harness.checkpoint import export
 from harness.job import pipeline as run_mod  # noqa: E402
 from harness.config import compose  # noqa: E402
-from harness.quant.base import target_linears  # noqa: E402
+from harness.quant import target_linears  # noqa: E402
 from harness.sizing.report_quant import prepare  # noqa: E402
 from tests.conftest import TINY_MATH  # noqa: E402
 

@@ -49,6 +49,13 @@ def test_an_unknown_group_option_fails_before_composing():
         cli.parse(TOY, ["quant=int5"])
 
 
+def test_a_former_method_settings_key_is_refused_naming_its_new_key_before_composing():
+    """``python -m harness`` reads group_option_problem before Hydra composes: one line, not Hydra's error."""
+    problem = cli.group_option_problem(["quant=gptq_w4g128", "quant.gptq.damp_percent=0.1"])
+    assert problem is not None and problem.endswith("use quant.settings.damp_percent")
+    assert cli.group_option_problem(["quant=gptq_w4g128", "quant.settings.damp_percent=0.1"]) is None
+
+
 def test_an_unknown_run_key_fails_when_composed():
     with pytest.raises(cli.UsageError, match="eval.batchsize|batchsize"):
         _ = cli.parse(TOY, ["eval.batchsize=3"]).run

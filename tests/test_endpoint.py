@@ -1,4 +1,5 @@
-"""harness.evaluation.endpoint against an independent OpenAI-compatible server (tests/fake_openai.py).
+"""The openai engine (harness.engines.openai_endpoint) against an independent OpenAI-compatible server
+(tests/fake_openai.py).
 
 The fake server holds the same tiny model the in-process side evaluates, so an endpoint candidate
 must give the in-process records item by item: log-likelihood choices, greedy flags, replies. Its
@@ -15,9 +16,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from harness.engines.openai_endpoint import check_tokens, endpoint_lm
+from harness.engines.openai_http import Client, EndpointError, EndpointSpec, redact_url
+from harness.engines.vllm_serve import ServedProcess, free_port
 from harness.evaluation import evaluate
-from harness.checkpoint.served import ServedProcess, free_port
-from harness.evaluation.endpoint import EndpointError, EndpointSpec, check_tokens, endpoint_lm, redact_url
 from harness.evaluation.slices import resolve
 from harness.job import identity
 from harness.models import loading as models
@@ -56,7 +58,7 @@ def test_an_endpoint_candidate_gives_the_in_process_records(tiny):
     """Same model behind the server: every item's choice, score, prompt and reply as in process."""
     loaded, settings, slice_, twin, reference = tiny
     with FakeServer(loaded.model, loaded.tokenizer) as server:
-        lm = endpoint_lm(EndpointSpec(url=server.url, batch_size=4), twin)
+        lm = endpoint_lm(Client(EndpointSpec(url=server.url, batch_size=4)), twin)
         served, _ = evaluate.evaluate_slice(lm, slice_, settings)
     assert set(reference["output_type"]) == {"generate_until", "multiple_choice"}
     pd.testing.assert_frame_equal(served[COMPARED], reference[COMPARED])
@@ -68,7 +70,7 @@ def test_a_server_with_another_vocabulary_is_refused_before_any_item(tiny):
     loaded, _, _, twin, _ = tiny
     with FakeServer(loaded.model, loaded.tokenizer, vocab_shift=7) as server:
         with pytest.raises(EndpointError, match="tokenizer probe.*first difference at token 0.*another model") as err:
-            endpoint_lm(EndpointSpec(url=server.url), twin)
+            endpoint_lm(Client(EndpointSpec(url=server.url)), twin)
     assert "\n" not in str(err.value)
 
 
@@ -91,7 +93,7 @@ def test_a_server_that_dies_mid_slice_stops_in_one_line_and_the_rerun_resumes(ti
     loaded, settings, slice_, twin, reference = tiny
     checkpoint = tmp_path / "checkpoint" / slice_.name
     with FakeServer(loaded.model, loaded.tokenizer, die_after=4) as server:
-        lm = endpoint_lm(EndpointSpec(url=server.url, batch_size=4), twin)
+        lm = endpoint_lm(Client(EndpointSpec(url=server.url, batch_size=4)), twin)
         with pytest.raises(EndpointError) as err:
             evaluate.evaluate_slice(lm, slice_, settings, checkpoint=checkpoint)
     message = str(err.value)
@@ -99,7 +101,7 @@ def test_a_server_that_dies_mid_slice_stops_in_one_line_and_the_rerun_resumes(ti
     kept = evaluate.checkpoint_rows(checkpoint)
     assert kept > 0
     with FakeServer(loaded.model, loaded.tokenizer) as again:  # another port: the cache is keyed by requests
-        lm = endpoint_lm(EndpointSpec(url=again.url, batch_size=4), twin)
+        lm = endpoint_lm(Client(EndpointSpec(url=again.url, batch_size=4)), twin)
         served, _ = evaluate.evaluate_slice(lm, slice_, settings, checkpoint=checkpoint)
         answered_again = again.prompts - 1  # minus the tokenizer probe
     pd.testing.assert_frame_equal(served[COMPARED], reference[COMPARED])
@@ -110,7 +112,7 @@ def test_a_server_that_dies_mid_slice_stops_in_one_line_and_the_rerun_resumes(ti
 def test_a_wrong_url_is_one_line():
     port = free_port()  # nothing listens there
     with pytest.raises(EndpointError, match=rf"127.0.0.1:{port}/v1: cannot reach the server") as err:
-        endpoint_lm(EndpointSpec(url=f"http://127.0.0.1:{port}"), twin=None)  # fails connecting, before the twin
+        endpoint_lm(Client(EndpointSpec(url=f"http://127.0.0.1:{port}")), twin=None)  # fails connecting, first
     assert "\n" not in str(err.value)
 
 
@@ -119,7 +121,7 @@ def test_a_hung_server_times_out_in_one_line(tiny):
     loaded, _, _, twin, _ = tiny
     with FakeServer(loaded.model, loaded.tokenizer, hang_s=3.0) as server:
         with pytest.raises(EndpointError, match="no reply to /completions within 1 s .*candidate.endpoint_timeout_s"):
-            endpoint_lm(EndpointSpec(url=server.url, timeout_s=1.0), twin)
+            endpoint_lm(Client(EndpointSpec(url=server.url, timeout_s=1.0)), twin)
 
 
 @pytest.mark.slow
@@ -128,14 +130,14 @@ def test_the_api_key_is_sent_from_the_named_variable_and_never_shown(tiny, monke
     with FakeServer(loaded.model, loaded.tokenizer, api_key=PLANTED) as server:
         monkeypatch.delenv(KEY_ENV, raising=False)
         with pytest.raises(EndpointError, match=f"{KEY_ENV}: that environment variable is not set"):
-            endpoint_lm(EndpointSpec(url=server.url, api_key_env=KEY_ENV), twin)
+            endpoint_lm(Client(EndpointSpec(url=server.url, api_key_env=KEY_ENV)), twin)
         monkeypatch.setenv(KEY_ENV, "sk-wrong")
         with pytest.raises(EndpointError, match="HTTP 401.*wrong or missing API key") as err:
-            endpoint_lm(EndpointSpec(url=server.url, api_key_env=KEY_ENV), twin)
+            endpoint_lm(Client(EndpointSpec(url=server.url, api_key_env=KEY_ENV)), twin)
         assert "sk-wrong" not in str(err.value)
         monkeypatch.setenv(KEY_ENV, PLANTED)
         spec = EndpointSpec(url=server.url, api_key_env=KEY_ENV)
-        lm = endpoint_lm(spec, twin)
+        lm = endpoint_lm(Client(spec), twin)
         assert server.seen_headers[-1]["Authorization"] == f"Bearer {PLANTED}"
         for held in (repr(spec), repr(vars(lm)), repr(vars(lm.client))):
             assert PLANTED not in held
@@ -171,8 +173,6 @@ def test_a_served_command_needs_a_port_placeholder(tmp_path):
 
 def test_a_server_killed_mid_run_is_named_with_its_exit(tmp_path):
     served = ServedProcess(STUB, tmp_path / "serve.log", startup_timeout_s=60).start()
-    from harness.evaluation.endpoint import Client
-
     client = Client(EndpointSpec(url=served.url), served)
     assert client.connect()["id"] == "fake"
     served.process.kill()
@@ -209,7 +209,7 @@ def test_concurrent_generation_requests_give_the_same_records_in_order(tiny):
     """candidate.endpoint_concurrency > 1: requests overlap at the server, records stay item by item in process's."""
     loaded, settings, slice_, twin, reference = tiny
     with FakeServer(loaded.model, loaded.tokenizer, hang_s=0.05) as server:
-        lm = endpoint_lm(EndpointSpec(url=server.url, batch_size=4, concurrency=4), twin)
+        lm = endpoint_lm(Client(EndpointSpec(url=server.url, batch_size=4, concurrency=4)), twin)
         served, _ = evaluate.evaluate_slice(lm, slice_, settings)
     pd.testing.assert_frame_equal(served[COMPARED], reference[COMPARED])
     assert server.max_in_flight > 1  # the requests did overlap
@@ -220,11 +220,11 @@ def test_a_server_that_dies_under_concurrent_requests_keeps_the_answers_before_i
     loaded, settings, slice_, twin, reference = tiny
     checkpoint = tmp_path / "checkpoint" / slice_.name
     with FakeServer(loaded.model, loaded.tokenizer, die_after=6) as server:
-        lm = endpoint_lm(EndpointSpec(url=server.url, batch_size=4, concurrency=3), twin)
+        lm = endpoint_lm(Client(EndpointSpec(url=server.url, batch_size=4, concurrency=3)), twin)
         with pytest.raises(EndpointError) as err:
             evaluate.evaluate_slice(lm, slice_, settings, checkpoint=checkpoint)
     assert "\n" not in str(err.value) and "the same command resumes" in str(err.value)
     with FakeServer(loaded.model, loaded.tokenizer) as again:
-        lm = endpoint_lm(EndpointSpec(url=again.url, batch_size=4, concurrency=3), twin)
+        lm = endpoint_lm(Client(EndpointSpec(url=again.url, batch_size=4, concurrency=3)), twin)
         served, _ = evaluate.evaluate_slice(lm, slice_, settings, checkpoint=checkpoint)
     pd.testing.assert_frame_equal(served[COMPARED], reference[COMPARED])

@@ -22,7 +22,7 @@ import pandas as pd
 import pytest
 
 from harness.evaluation import evaluate
-from harness.evaluation.endpoint import Client, EndpointError
+from harness.engines.openai_http import Client, EndpointError
 from harness.job import pipeline as run_mod
 from tests.conftest import require_venv
 
@@ -129,9 +129,10 @@ def _prefixes(checkpoint: Path) -> list[Path]:
 
 def _another_model(directory: Path) -> None:
     """A tiny random llama whose BPE vocabulary (trained here on a few sentences) is not SmolLM2's."""
-    import torch
     from tokenizers import Tokenizer, models as tok_models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
+
+    from tiny_models import tiny_llama
 
     bpe = Tokenizer(tok_models.BPE(unk_token="<unk>"))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -140,13 +141,11 @@ def _another_model(directory: Path) -> None:
     bpe.train_from_iterator(["The quick brown fox jumps over the lazy dog. " * 3, "What is 12 plus 30? 42.",
                              "Quelle est la capitale de la France ? Paris."], trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    torch.manual_seed(0)
     # head_dim 64: vLLM's CPU attention has no kernel for small heads ("Unsupported CPU attention
     # configuration: head_dim=16")
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    LlamaForCausalLM(config).save_pretrained(directory)
+    model = tiny_llama(vocab_size=len(tokenizer), hidden_size=128, heads=2, kv_heads=1, max_position_embeddings=512,
+                       bos_token_id=1, eos_token_id=2)
+    model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
 
 

@@ -61,6 +61,30 @@ def test_fp8_scale_is_the_channel_amax_over_448():
     assert torch.allclose(export_mod.recover_fp8_scale(fake, "channel"), scale, rtol=1e-6, atol=0)
 
 
+def test_the_method_registration_says_whether_its_weights_can_be_exported():
+    """The export asks the registry, not the method's name: every built-in method declares compressed-tensors,
+    and a method that declares nothing is refused before anything loads, naming the registration that would allow
+    it."""
+    from harness import quant
+    from harness.config import QuantConfig, TensorQuantConfig
+
+    weights = TensorQuantConfig(format="int", bits=4, granularity="group", group_size=128)
+    for method in ("rtn", "gptq", "awq", "smoothquant"):
+        fields = export_mod.quantization_args(QuantConfig(name=method, method=method, weights=weights))
+        assert (fields["weights"].num_bits, fields["weights"].group_size) == (4, 128)
+
+    @quant.register_method("toy_unexported", weight_formats=("int",))
+    def toy_unexported(model, scheme, context, report):
+        raise AssertionError("never run: the export refuses the scheme first")
+
+    try:
+        with pytest.raises(export_mod.ExportError, match=r"quant.method=toy_unexported as compressed-tensors: .*none "
+                                                         r".*exports=\('compressed-tensors',\)"):
+            export_mod.quantization_args(QuantConfig(name="toy", method="toy_unexported", weights=weights))
+    finally:
+        quant.unregister_method("toy_unexported")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["kv4", "fp8_block", "mxfp4"])
 def test_unrepresentable_schemes_name_what_is_representable(name):

@@ -21,7 +21,7 @@ from harness.checkpoint import export as export_mod  # noqa: E402
 from harness.checkpoint.expert_layout import expert_checkpoint_names  # noqa: E402
 from harness.checkpoint.expert_load import check_loaded_experts  # noqa: E402
 from harness.config import QuantConfig, TensorQuantConfig, compose  # noqa: E402
-from harness.quant.base import target_linears  # noqa: E402
+from harness.quant import target_linears  # noqa: E402
 from harness.quant.experts import UnfusedExperts, find_fused_experts  # noqa: E402
 from moe_models import build, plain_expert_matrices  # noqa: E402
 

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from harness import quant
 from harness.sizing import ledger
 from harness.config import REPO_DIR, compose
-from harness.quant.base import LayerReport, QuantReport
+from harness.quant import LayerReport, QuantReport
 
 SEED_GPU = ledger.GPU("seed", 80.0, 3.352)  # the worked example's 80 GB, 3,352 GB/s GPU
 

@@ -97,6 +97,7 @@ def test_a_capped_run_has_its_own_keys_and_an_uncapped_one_keeps_its_old_ones(ma
         config["candidate"].pop(served_only)
     for transient in identity.TRANSIENT_SECTIONS:
         config.pop(transient, None)
+    config["quant"] = identity.keyed_quant(base.quant, config["quant"])  # the settings' layout from before
     config["slices"] = {name: {k: v for k, v in slice_config.items()  # unset design fields leave keys as they were
                                if not (k in identity.DESIGN_FIELDS and v is None)}
                         for name, slice_config in config["slices"].items()}

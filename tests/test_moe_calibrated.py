@@ -7,10 +7,10 @@ import copy
 import pytest
 import torch
 
-from harness.config import AWQConfig, GPTQConfig, QuantConfig, TensorQuantConfig
+from harness.config import QuantConfig, TensorQuantConfig
 from harness.quant import gptq
-from harness.quant.awq import candidate_scales, quantize_awq
-from harness.quant.base import QuantReport
+from harness.quant import QuantReport
+from harness.quant.awq import AWQSettings, candidate_scales, quantize_awq
 from harness.quant.experts import MoEQuantConfig, fuse_experts, unfuse_experts
 from harness.quant.gptq import gptq_quantize_weight, quantize_gptq
 from harness.quant.format_table import fake_quantize
@@ -25,9 +25,9 @@ def calibration(count: int = 4, length: int = 32) -> torch.Tensor:
 
 
 def scheme(method: str, **moe) -> QuantConfig:
-    return QuantConfig(name=f"{method}_w4g32", method=method, weights=copy.deepcopy(SPEC),
-                       targets=["*experts*"], gptq=GPTQConfig(), awq=AWQConfig(clip=False, search_samples=0),
-                       moe=MoEQuantConfig(**moe))
+    settings = {"clip": False, "search_samples": 0} if method == "awq" else {}
+    return QuantConfig(name=f"{method}_w4g32", method=method, weights=copy.deepcopy(SPEC), targets=["*experts*"],
+                       settings=settings, moe=MoEQuantConfig(**moe))
 
 
 @torch.no_grad()
@@ -132,7 +132,7 @@ def test_awq_folds_exactly_and_expert_scales_come_from_routed_tokens() -> None:
         h = swiglu(rows, plain["gate_proj"], plain["up_proj"])
         ratio = outcome.ratios[f"{EXPERTS}.{e}.up_proj"]
         w_mean = None
-        if AWQConfig().duo_scaling:
+        if AWQSettings().duo_scaling:
             from harness.quant.awq import weight_mean
             w_mean = weight_mean([plain["down_proj"]], SPEC)
         expected = candidate_scales(h.abs().mean(dim=0), ratio, w_mean)
@@ -188,7 +188,8 @@ def test_every_calibrated_method_covers_the_experts_through_apply(method: str, d
         else copy.deepcopy(SPEC)
     activations = TensorQuantConfig(format="int", bits=8, granularity="token") if method == "smoothquant" else None
     s = QuantConfig(name=method, method=method, weights=weights, activations=activations,
-                    awq=AWQConfig(search_samples=0, grid=4), moe=MoEQuantConfig(min_tokens=1))
+                    settings={"search_samples": 0, "grid": 4} if method == "awq" else {},
+                    moe=MoEQuantConfig(min_tokens=1))
     report = quant.apply(model, s, TokenContext(calibration()))
     assert report.coverage.uncovered_params == 0 and report.coverage.quantized_share > 0.9
     assert sum(".experts." in layer.name for layer in report.layers) == 2 * 4 * 3

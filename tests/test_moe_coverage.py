@@ -5,26 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from harness import quant
 from harness.config import QuantConfig, TensorQuantConfig
 from harness.quant.coverage import KEPT, NOT_COVERED, QUANTIZED, check_coverage
 from harness.quant.format_table import SchemeError, storage_bits
 from moe_models import build
+from tiny_models import tiny_llama
 
 INT4 = TensorQuantConfig(format="int", bits=4, granularity="group", group_size=32)
 
 
 def int4(**kwargs) -> QuantConfig:
     return QuantConfig(name="int4_g32", weights=TensorQuantConfig(**vars(INT4)), **kwargs)
-
-
-def tiny_llama() -> nn.Module:
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
 
 
 def test_every_parameter_is_classified_once_with_a_named_rule() -> None:
@@ -62,7 +55,7 @@ def test_bits_per_weight_by_hand_on_a_moe() -> None:
 
 def test_bits_per_weight_agrees_with_the_report_on_a_dense_model() -> None:
     """On a llama the account's bits per weight is the number the harness has always reported."""
-    model = tiny_llama()
+    model = tiny_llama(vocab_size=128, intermediate_size=96)
     report = quant.apply(model, int4())
     assert report.coverage.bits_per_weight == pytest.approx(report.summary()["bits_per_weight"], rel=1e-12)
     assert report.coverage.quantized_params == report.quantized_params
@@ -81,7 +74,7 @@ class Mystery(nn.Module):
 
 
 def test_an_unknown_module_kind_is_refused_in_one_line_naming_it_and_its_share() -> None:
-    model = tiny_llama()
+    model = tiny_llama(vocab_size=128, intermediate_size=96)
     model.model.layers[1].mlp.mystery = Mystery(64)
     account = quant.coverage_of(model, int4())
     mystery = 4 * 64 * 64

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from harness.config import compose
 from harness.infra.cache import Cache
@@ -39,9 +38,9 @@ def checkpoint(root: Path, model_type: str, cache_dir: Path) -> Path:
 
 @pytest.mark.parametrize("model_type,scheme", [("qwen3_moe", "int4_g128"), ("mixtral", "gptq_w4g128"),
                                                ("qwen3_moe", "none")])
+@pytest.mark.usefixtures("one_thread")
 def test_tiny_moe_runs_the_whole_job(tmp_path: Path, make_cfg, cache_dir: Path, model_type: str,
                                      scheme: str) -> None:
-    torch.set_num_threads(1)
     directory = checkpoint(tmp_path, model_type, cache_dir)
     cfg = make_cfg(*TINY, f"quant={scheme}", "model=tiny_random", "model.source=hf", f"model.path={directory}",
                    f"model.name=tiny_{model_type}", "model.chat_template=false", "gate.enabled=true",

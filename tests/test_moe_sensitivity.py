@@ -186,6 +186,7 @@ def test_unit_scheme_names_a_whole_experts_module_by_one_pattern_only_when_it_se
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
 def test_recommend_on_a_tiny_moe_checkpoint_end_to_end(make_cfg, tmp_path, cache_dir) -> None:
     """python -m harness.recommend's body on a saved qwen3_moe: one experts unit per layer, the solver's bits per
     weight equal the applied scheme's (routers counted at 16 in both), the YAML selects the chosen units."""
@@ -196,7 +197,6 @@ def test_recommend_on_a_tiny_moe_checkpoint_end_to_end(make_cfg, tmp_path, cache
     from harness.planning.sensitivity import target_matrices
     from test_moe_job import TINY, checkpoint
 
-    torch.set_num_threads(1)
     directory = checkpoint(tmp_path, "qwen3_moe", cache_dir)
     cfg = OmegaConf.to_object(make_cfg(*TINY, "quant=int4_g128", "model=tiny_random", "model.source=hf",
                                        f"model.path={directory}", "model.name=tiny_qwen3_moe",

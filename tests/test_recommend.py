@@ -123,7 +123,7 @@ def test_below_frontier():
 
 @pytest.mark.slow
 def test_recommendation_on_the_tiny_model_end_to_end(make_cfg, tmp_path):
-    from harness.quant.base import target_linears
+    from harness.quant import target_linears
     from harness.sizing.report_quant import prepare
 
     cfg = OmegaConf.to_object(make_cfg(*TINY_MATH, "quant=int4_g128", "tracking.enabled=false"))

@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from harness.quant.base import LayerReport, QuantReport
+from harness.quant import LayerReport, QuantReport
 from harness.sizing.report_quant import (GPU_BANDWIDTH, decode_floor_metrics, decode_floor_ms, decode_floor_table, main,
                                   parse_gpus)
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import mlflow
 import pandas as pd
@@ -10,9 +11,9 @@ import torch
 from torch import nn
 
 from harness.divergence import scoring as divergence
-from harness.config import QuantConfig, SmoothQuantConfig, TensorQuantConfig
-from harness.quant import smoothquant  # noqa: F401  (registers "smoothquant")
+from harness.config import QuantConfig, TensorQuantConfig
 from harness.planning.sensitivity import layer_sensitivity, sensitivity_units
+from tiny_models import tiny_llama
 
 VOCAB = 256
 INT4_CHANNEL = TensorQuantConfig(format="int", bits=4, granularity="channel")
@@ -26,17 +27,7 @@ class CharTokenizer:
         return {"input_ids": torch.tensor([ids])}
 
 
-def tiny_llama(seed: int = 0) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.normal_(0.0, 0.08)
-    return model
+llama = partial(tiny_llama, vocab_size=VOCAB, hidden_size=128, std=0.08)
 
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "12 + 7 * 3 = 33, and 40 - 8 = 32.",
@@ -46,7 +37,7 @@ POISONED = "model.layers.1.mlp.down_proj"
 
 def poisoned_llama() -> nn.Module:
     """One layer whose rows each hold one large outlier: per-channel INT4 then rounds the rest to zero."""
-    model = tiny_llama()
+    model = llama()
     with torch.no_grad():
         model.get_submodule(POISONED).weight[:, 0] = 3.0
     return model
@@ -68,7 +59,7 @@ def assert_untouched(model: nn.Module, before: dict[str, torch.Tensor]) -> None:
 
 
 def test_units_by_linear_and_by_block():
-    model = tiny_llama()
+    model = llama()
     scheme = QuantConfig(name="int4", weights=INT4_CHANNEL)
     linears = sensitivity_units(model, scheme, "linear")
     assert len(linears) == 14 and all(v == [k] for k, v in linears.items())
@@ -114,14 +105,14 @@ def test_block_granularity_ranks_the_poisoned_block_first():
                 activations=TensorQuantConfig(format="fp8_e4m3", granularity="token")),
     QuantConfig(name="sq", method="smoothquant", weights=TensorQuantConfig(format="int", bits=8),
                 activations=TensorQuantConfig(format="int", bits=8, granularity="token"),
-                smoothquant=SmoothQuantConfig(alpha=0.5)),
+                settings={"alpha": 0.5}),
 ], ids=["fp8_w8a8", "smoothquant"])
 def test_activation_and_smoothing_schemes_are_undone_bitwise(scheme):
     class Calibration:
         def calibration_batches(self):
             return [torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))]
 
-    model = tiny_llama()
+    model = llama()
     reference = reference_of(model)
     before = state(model)
     table = layer_sensitivity(model, scheme, reference, granularity="block", context=Calibration())

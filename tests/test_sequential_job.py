@@ -198,6 +198,7 @@ def test_run_key_is_unchanged_by_the_option_off_and_covers_the_stop_rule_on(make
         config["candidate"].pop(served_only)
     for transient in identity.TRANSIENT_SECTIONS:
         config.pop(transient, None)
+    config["quant"] = identity.keyed_quant(base.quant, config["quant"])  # the settings' layout from before
     for slice_config in config["slices"].values():  # unset sampling-design fields (issue 37): not in the key either
         for key in identity.DESIGN_FIELDS:
             slice_config.pop(key)

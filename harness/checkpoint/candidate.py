@@ -102,9 +102,9 @@ class CandidateScheme:
 
 def requested(cfg: CandidateConfig, scheme_name: str) -> bool:
     """Whether the job evaluates an external checkpoint (in process, or served: ``candidate.endpoint`` /
-    ``candidate.serve``, harness.checkpoint.served); a contradictory config is refused."""
+    ``candidate.serve``, harness.engines.served); a contradictory config is refused."""
     if cfg.endpoint or cfg.serve:
-        from harness.checkpoint.served_config import check_config
+        from harness.engines.served_config import check_config
 
         check_config(cfg, scheme_name)
         return True
@@ -121,7 +121,7 @@ def candidate_name(cfg: CandidateConfig) -> str:
     if cfg.name:
         return cfg.name
     if cfg.endpoint or cfg.serve:
-        from harness.checkpoint.served_config import served_name
+        from harness.engines.served_config import served_name
 
         return served_name(cfg)
     assert cfg.path
@@ -201,6 +201,20 @@ def describe(config: dict[str, Any], *, name: str, directory: Path | None = None
     if directory is not None and linear_shapes:
         scheme.bits_per_weight = measured_bits_per_weight(directory, linear_shapes, set(scheme.kept))
     return scheme
+
+
+def served_params(directory: Path | None, name: str, reference_model: Any) -> dict[str, Any]:
+    """A served checkpoint's scheme and *stored* bits per weight as ``candidate.*`` parameters, read from the local
+    ``directory`` its server names (vLLM's ``/v1/models`` ``root``); {} without one. ``candidate.name`` and
+    ``candidate.method`` (``served``) stay the served candidate's; its checkpoint's method is
+    ``candidate.checkpoint_method``."""
+    if directory is None:
+        return {}
+    scheme = describe(json.loads((directory / "config.json").read_text()), name=name, directory=directory,
+                      linear_shapes=linear_shapes(reference_model))
+    params = {k: v for k, v in scheme.as_params().items() if k not in ("candidate.name", "candidate.method")}
+    params["candidate.checkpoint_method"] = scheme.method
+    return params
 
 
 def stored_tensors(directory: Path) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -642,12 +656,12 @@ def load(cfg: CandidateConfig, reference: ModelConfig, cache_dir: str, *, refere
 def weight_report(reference_model: Any, candidate_model: Any, scheme: CandidateScheme, total_params: int):
     """Per-linear SQNR of the candidate's (dequantized) weights against the reference's.
 
-    A :class:`harness.quant.base.QuantReport`, so the candidate lands in the same quant report as
+    A :class:`harness.quant.report.QuantReport`, so the candidate lands in the same quant report as
     the harness's own schemes. Linears whose weights are identical are the ones kept (counted in bits
     per weight at 16, as the harness's own kept linears). A candidate none of whose linears could be
     compared (no reference linear's name and shape in it) is refused: its report would be empty.
     """
-    from harness.quant.base import QuantReport, linear_census
+    from harness.quant import QuantReport, linear_census
 
     report = QuantReport(scheme=scheme.name, method=f"external:{scheme.method}", total_params=total_params)
     theirs = dict(candidate_model.named_modules())

@@ -5,6 +5,11 @@ llm-compressor writes and vLLM serves), through the ``compressed-tensors`` libra
 the library's :class:`~compressed_tensors.compressors.ModelCompressor` packs the weights and
 writes ``quantization_config``; this module only says *what* grid each linear is on.
 
+Which methods' weights it can write is each method's registration's (``register_method(...,
+exports=("compressed-tensors",))``, :mod:`harness.quant.methods`): a method that declares it leaves every
+target weight on ``quant.weights``' grid and folds any other change into ordinary weights. The built-in
+methods (rtn, gptq, awq, smoothquant) declare it; a method that does not is refused before anything loads.
+
 Representable schemes (anything else is refused with this list, :data:`REPRESENTABLE`):
 
 * integer weights, 4 or 8 bits, per output channel or per group, symmetric or asymmetric
@@ -70,7 +75,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -92,9 +97,14 @@ from harness.checkpoint.export_grids import (
 )
 from harness.config import QuantConfig, TensorQuantConfig
 from harness.errors import UsageError
+from harness.quant import COMPRESSED_TENSORS, get_method
 
-__all__ = ["REPRESENTABLE", "ExportError", "ExportResult", "check_whole_groups", "export", "kv_cache_args", "load_compressed",
-           "quantization_args", "recover_fp8_scale", "recover_int_grid", "recover_nvfp4", "stored_error", "verify"]
+if TYPE_CHECKING:
+    from harness.checkpoint.expert_layout import ExpertModule
+
+__all__ = ["REPRESENTABLE", "ExportError", "ExportResult", "check_method", "check_whole_groups", "export",
+           "kv_cache_args", "load_compressed", "quantization_args", "recover_fp8_scale", "recover_int_grid",
+           "recover_nvfp4", "stored_error", "verify"]
 
 log = logging.getLogger(__name__)
 
@@ -112,14 +122,25 @@ def _nvfp4_fields(scheme: QuantConfig) -> dict[str, Any]:
     return dict(NVFP4)
 
 
+def check_method(scheme: QuantConfig) -> None:
+    """Refuse a method whose registration does not map its weights to compressed-tensors (its ``exports``)."""
+    spec = get_method(scheme.method)
+    if COMPRESSED_TENSORS not in spec.exports:
+        declared = ", ".join(sorted(spec.exports)) or "none"
+        raise ExportError(f"cannot export quant.method={spec.name} as {COMPRESSED_TENSORS}: its registration "
+                          f"declares the checkpoint formats {declared} (a method whose weights lie on quant.weights' "
+                          f"grid registers with exports=({COMPRESSED_TENSORS!r},))")
+
+
 def quantization_args(scheme: QuantConfig) -> dict[str, Any]:
     """compressed-tensors ``QuantizationScheme`` fields for ``scheme``'s linears, or :class:`ExportError`.
 
-    Empty for a KV-cache-only scheme (``kv8``). Also checks the KV cache (:func:`kv_cache_args`),
-    so one call refuses every unrepresentable part before anything is loaded.
+    Empty for a KV-cache-only scheme (``kv8``). Also checks the method (:func:`check_method`) and the KV
+    cache (:func:`kv_cache_args`), so one call refuses every unrepresentable part before anything is loaded.
     """
     from compressed_tensors.quantization import QuantizationArgs
 
+    check_method(scheme)
     kv = kv_cache_args(scheme)
     weights: TensorQuantConfig | None = scheme.weights
     if weights is None:
@@ -233,7 +254,7 @@ class ExportResult:
     max_abs_stored_error: float = 0.0
     max_abs_kv_scale_error: float | None = None  # written k_scale / v_scale vs the harness's calibrated ones
     input_global_scales: dict[str, float] = field(default_factory=dict)  # nvfp4 activations: 448·6 / calibrated amax
-    # bits per weight as written (harness.quant.base.bits_per_weight: quantized linears as stored — scales in the
+    # bits per weight as written (harness.quant.report.bits_per_weight: quantized linears as stored — scales in the
     # model's dtype —, kept ones at 16): what a run of this checkpoint as a candidate reports
     bits_per_weight: float | None = None
     # mixture of experts: each quantized expert matrix's harness name → its module name in the checkpoint
@@ -322,37 +343,25 @@ def _kv_scales(model: nn.Module) -> dict[str, tuple[Tensor, Tensor]]:
     return scales
 
 
-def export(model: nn.Module, tokenizer: Any, scheme: QuantConfig, out: str | Path, *,
-           targets: dict[str, nn.Linear], kept: list[str], calibration: list[Tensor] | None = None) -> ExportResult:
-    """Write ``model`` (already quantized in place by the harness as ``scheme``) to ``out``.
+@dataclass
+class _Weights:
+    """What an export writes quantized, by harness name, and where each expert matrix goes in the checkpoint."""
 
-    ``targets`` / ``kept``: the linears the scheme quantized and those it left in high precision
-    (``harness.quant.base.target_linears``). ``calibration``: token batches for the static
-    ``input_global_scale`` of NVFP4 activations (needed only then). Raises :class:`ExportError`
-    before writing anything when the scheme is not representable.
+    quantized: dict[str, Tensor]  # the harness's weights of every quantized linear and expert matrix
+    experts: dict[str, ExpertModule]  # the experts modules that have a per-expert checkpoint layout
+    expert_weights: dict[str, Tensor]  # every matrix of those experts, quantized or not
+    every_expert_matrix: set[str]  # every expert matrix of the model, laid out per expert or not
+    selected: dict[str, Tensor]  # the expert matrices the scheme quantizes
+    layout: dict[str, str]  # expert matrix -> its module name in the per-expert layout
 
-    Mixture-of-experts experts (fused 3-D parameters, or the per-expert Linears an activation-quantized
-    scheme leaves) are written one tensor set per expert matrix, under the names transformers, vLLM and
-    llm-compressor read (:mod:`harness.checkpoint.expert_layout`); the routers are written dense and named in
-    ``ignore`` (llm-compressor's convention, so no engine quantizes them on load).
-    """
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (
-        QuantizationConfig,
-        QuantizationScheme,
-        apply_quantization_config,
-    )
 
-    from harness.checkpoint.expert_layout import (
-        checkpoint_names,
-        expert_modules,
-        expert_selection,
-        harness_expert_weights,
-        to_checkpoint_layout,
-    )
-    from harness.quant.experts import find_routers, name_matches
+def _select_weights(model: nn.Module, scheme: QuantConfig, targets: dict[str, nn.Linear],
+                    fields: dict[str, Any]) -> _Weights:
+    """The weights ``scheme`` quantized in ``model``, or :class:`ExportError` for experts no checkpoint layout
+    holds and for groups compressed-tensors cannot store (:func:`check_whole_groups`)."""
+    from harness.checkpoint.expert_layout import expert_modules, expert_selection, harness_expert_weights
+    from harness.quant.experts import name_matches
 
-    fields = quantization_args(scheme)
     every_expert = expert_modules(model) if fields else {}
     all_weights = harness_expert_weights(model, every_expert)
     selected = {name: weight for name, weight in all_weights.items()
@@ -371,30 +380,35 @@ def export(model: nn.Module, tokenizer: Any, scheme: QuantConfig, out: str | Pat
     _, _, partial = expert_selection(experts, list(scheme.targets), list(scheme.keep))
     if partial:
         log.warning("experts of %s are partly quantized: the others are written dense and named in ignore", partial)
-    kv_args = kv_cache_args(scheme)
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise ExportError(f"out={out} exists and is not empty; choose a new directory")
-    kv_scales = _kv_scales(model) if kv_args is not None else {}
-    input_amax: dict[str, Tensor] = {}
-    if scheme.activations is not None and scheme.activations.format == "nvfp4":
-        input_amax = calibrate_input_amax(model, targets, calibration or [])
-    harness_weights = {name: module.weight.detach() for name, module in dense_targets.items()} if fields else {}
-    harness_weights.update(selected)
-    exported = _plain_copy(model)
+    quantized = {name: module.weight.detach() for name, module in dense_targets.items()} if fields else {}
+    quantized.update(selected)
     layout = {name: experts[name.rsplit(".", 2)[0]].layout_name(name) for name in expert_weights}
-    if experts:
-        to_checkpoint_layout(exported, experts, expert_weights)
-    dense_kept = [name for name in kept if name not in all_weights]
-    ignored = sorted(dense_kept) + sorted(layout[name] for name in expert_weights if name not in selected)
+    return _Weights(quantized, experts, expert_weights, set(all_weights), selected, layout)
+
+
+def _quantized_copy(model: nn.Module, scheme: QuantConfig, weights: _Weights, kept: list[str], fields: dict[str, Any],
+                    kv_args: Any, kv_scales: dict[str, tuple[Tensor, Tensor]],
+                    input_amax: dict[str, Tensor]) -> tuple[nn.Module, list[str]]:
+    """A plain copy of ``model`` in the checkpoint's layout with compressed-tensors' quantization attached, each
+    quantized weight's recovered grid and the k/v scales set; and the module names it leaves unquantized."""
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme, apply_quantization_config
+
+    from harness.checkpoint.expert_layout import to_checkpoint_layout
+
+    exported = _plain_copy(model)
+    if weights.experts:
+        to_checkpoint_layout(exported, weights.experts, weights.expert_weights)
+    dense_kept = [name for name in kept if name not in weights.every_expert_matrix]
+    ignored = sorted(dense_kept) + sorted(weights.layout[name] for name in weights.expert_weights
+                                          if name not in weights.selected)
     groups = {"group_0": QuantizationScheme(targets=["Linear"], **fields)} if fields else {}
     config = QuantizationConfig(config_groups=groups, ignore=ignored if fields else [],
                                 kv_cache_scheme=kv_args, quantization_status="frozen")
     apply_quantization_config(exported, config, show_progress=False)
     modules = dict(exported.named_modules())
-    for name, weight in harness_weights.items():
+    for name, weight in weights.quantized.items():
         assert scheme.weights is not None
-        module = modules[layout.get(name, name)]
+        module = modules[weights.layout.get(name, name)]
         _write_weight_qparams(module, weight, scheme.weights)
         if name in input_amax:
             _set(module, "input_global_scale", _global_scale(input_amax[name]))
@@ -404,6 +418,14 @@ def export(model: nn.Module, tokenizer: Any, scheme: QuantConfig, out: str | Pat
         # forward takes `cache=`, not `past_key_values=`), so apply_quantization_config adds no k_scale.
         modules[name].register_parameter("k_scale", nn.Parameter(key_scale.reshape(1), requires_grad=False))
         modules[name].register_parameter("v_scale", nn.Parameter(value_scale.reshape(1), requires_grad=False))
+    return exported, ignored
+
+
+def _save_compressed(exported: nn.Module, out: Path, kv_args: Any) -> None:
+    """Compress ``exported`` with compressed-tensors and write it, with its ``quantization_config``, to ``out``."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
     compressor = ModelCompressor.from_pretrained_model(exported)
     if compressor is None or compressor.quantization_config is None:  # KV cache only: no linear is quantized
         compressor = ModelCompressor(quantization_config=QuantizationConfig(
@@ -414,26 +436,65 @@ def export(model: nn.Module, tokenizer: Any, scheme: QuantConfig, out: str | Pat
     out.mkdir(parents=True, exist_ok=True)
     exported.save_pretrained(out)
     compressor.update_config(str(out))
-    saved: dict[str, str] = {}
-    if experts:
-        routers = sorted(find_routers(model))
-        saved = {key.removesuffix(".weight"): value.removesuffix(".weight") for key, value in checkpoint_names(
-            exported, [f"{name}.weight" for name in ignored + routers + sorted(set(layout.values()))]).items()}
-        _rewrite_ignore(out, sorted({saved[name] for name in ignored + routers}))
+
+
+def _name_experts_in_checkpoint(model: nn.Module, exported: nn.Module, out: Path, weights: _Weights,
+                                ignored: list[str]) -> dict[str, str]:
+    """Module names as saved (what vLLM matches) of the ignored modules, the routers and the expert matrices;
+    rewrites ``ignore`` in ``out``'s config with them. Empty without per-expert layouts."""
+    from harness.checkpoint.expert_layout import checkpoint_names
+    from harness.quant.experts import find_routers
+
+    if not weights.experts:
+        return {}
+    routers = sorted(find_routers(model))
+    saved = {key.removesuffix(".weight"): value.removesuffix(".weight") for key, value in checkpoint_names(
+        exported, [f"{name}.weight" for name in ignored + routers + sorted(set(weights.layout.values()))]).items()}
+    _rewrite_ignore(out, sorted({saved[name] for name in ignored + routers}))
+    return saved
+
+
+def export(model: nn.Module, tokenizer: Any, scheme: QuantConfig, out: str | Path, *,
+           targets: dict[str, nn.Linear], kept: list[str], calibration: list[Tensor] | None = None) -> ExportResult:
+    """Write ``model`` (already quantized in place by the harness as ``scheme``) to ``out``.
+
+    ``targets`` / ``kept``: the linears the scheme quantized and those it left in high precision
+    (``harness.quant.targets.target_linears``). ``calibration``: token batches for the static
+    ``input_global_scale`` of NVFP4 activations (needed only then). Raises :class:`ExportError`
+    before writing anything when the scheme is not representable.
+
+    Mixture-of-experts experts (fused 3-D parameters, or the per-expert Linears an activation-quantized
+    scheme leaves) are written one tensor set per expert matrix, under the names transformers, vLLM and
+    llm-compressor read (:mod:`harness.checkpoint.expert_layout`); the routers are written dense and named in
+    ``ignore`` (llm-compressor's convention, so no engine quantizes them on load).
+    """
+    fields = quantization_args(scheme)
+    weights = _select_weights(model, scheme, targets, fields)
+    kv_args = kv_cache_args(scheme)
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise ExportError(f"out={out} exists and is not empty; choose a new directory")
+    kv_scales = _kv_scales(model) if kv_args is not None else {}
+    input_amax: dict[str, Tensor] = {}
+    if scheme.activations is not None and scheme.activations.format == "nvfp4":
+        input_amax = calibrate_input_amax(model, targets, calibration or [])
+    exported, ignored = _quantized_copy(model, scheme, weights, kept, fields, kv_args, kv_scales, input_amax)
+    _save_compressed(exported, out, kv_args)
+    saved = _name_experts_in_checkpoint(model, exported, out, weights, ignored)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     qconfig = json.loads((out / "config.json").read_text())["quantization_config"]
-    error, kv_error = verify(out, harness_weights, model, kv_scales)
-    expert_names = {name: saved[layout[name]] for name in selected}
-    stored = (stored_error(out, harness_weights, expert_names) if qconfig.get("format") == "nvfp4-pack-quantized"
+    error, kv_error = verify(out, weights.quantized, model, kv_scales)
+    expert_names = {name: saved[weights.layout[name]] for name in weights.selected}
+    stored = (stored_error(out, weights.quantized, expert_names) if qconfig.get("format") == "nvfp4-pack-quantized"
               else error)
     log.info("exported %d quantized linears and expert matrices (%s) to %s; max |Δw| vs the harness %.3g",
-             len(harness_weights), qconfig.get("format"), out, error)
+             len(weights.quantized), qconfig.get("format"), out, error)
     kept = sorted(kept) if fields else sorted(set(kept) | set(targets))  # KV cache only: every linear kept
-    return ExportResult(out, str(qconfig.get("format")), sorted(harness_weights), kept, error, qconfig,
+    unquantized_experts = weights.every_expert_matrix - set(weights.selected)
+    return ExportResult(out, str(qconfig.get("format")), sorted(weights.quantized), kept, error, qconfig,
                         stored, kv_error, {name: float(_global_scale(a)) for name, a in input_amax.items()},
-                        written_bits_per_weight(out, model, sorted(set(kept) | (set(all_weights) - set(selected)))),
-                        expert_names)
+                        written_bits_per_weight(out, model, sorted(set(kept) | unquantized_experts)), expert_names)
 
 
 def _rewrite_ignore(directory: Path, ignore: list[str]) -> None:
@@ -451,7 +512,7 @@ def written_bits_per_weight(directory: Path, model: nn.Module, kept: list[str]) 
     as the Linears they are stored as; routers that are not Linears count at 16 bits, as the coverage
     account counts them (``harness.quant.coverage``)."""
     from harness.checkpoint.candidate import checkpoint_shapes, measured_bits_per_weight
-    from harness.quant.base import bits_per_weight, linear_census
+    from harness.quant import bits_per_weight, linear_census
     from harness.quant.experts import find_routers
 
     shapes, names = checkpoint_shapes(model)
@@ -479,7 +540,6 @@ TOOL = cli.Tool(prog="python -m harness.export", options=ExportOptions, run_conf
 
 def _body(parsed: cli.Parsed[ExportOptions]) -> int:
     from harness import quant
-    from harness.quant.base import target_linears
     from harness.quant.experts import expert_shapes
 
     options = parsed.options
@@ -488,16 +548,17 @@ def _body(parsed: cli.Parsed[ExportOptions]) -> int:
         raise UsageError("out= is required, e.g. out=exports/smollm2_int4_g128")
     cfg = parsed.run
     scheme = quant.with_model_defaults(cfg.quant, cfg.model.ragged_groups)
+    quant.validate_scheme(scheme)  # imports its plugins, whose registrations say what their methods export
     quantization_args(scheme)  # refuse an unrepresentable scheme before loading anything
     if Path(options.out).exists() and any(Path(options.out).iterdir()):
         raise UsageError(f"out={options.out} exists and is not empty; choose a new directory")
     from harness.sizing.report_quant import prepare
 
     prepared = prepare(cfg)
-    check_whole_groups(target_linears(prepared.loaded.model, prepared.scheme)[0], prepared.scheme,  # before work
+    check_whole_groups(quant.target_linears(prepared.loaded.model, prepared.scheme)[0], prepared.scheme,  # before work
                        expert_shapes(prepared.loaded.model, prepared.scheme))
     quant.apply(prepared.loaded.model, prepared.scheme, prepared.context)
-    targets, kept = target_linears(prepared.loaded.model, prepared.scheme)
+    targets, kept = quant.target_linears(prepared.loaded.model, prepared.scheme)
     calibration = (prepared.context.calibration_batches()
                    if prepared.scheme.activations is not None and prepared.scheme.activations.format == "nvfp4"
                    else None)

@@ -81,7 +81,7 @@ def job_writes(spec: ReferenceSpec, scheme: QuantConfig, loaded: Any, slices: li
     ends the job in one line like any other.
     """
     from harness.job.identity import max_divergence_tokens, reference_key
-    from harness.quant.base import get_method, target_linears
+    from harness.quant import get_method, target_linears
 
     model, model_key = loaded.model, loaded.key
     config = model.config

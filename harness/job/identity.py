@@ -18,7 +18,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from harness.config import RunConfig
+from harness import engines
+from harness.config import QuantConfig, RunConfig
 from harness.errors import UsageError
 from harness.evaluation import evaluate
 from harness.evaluation.slices import Slice
@@ -27,6 +28,15 @@ from harness.models import loading as models
 
 # Config sections that say where results go or how a job runs, not what it computes.
 TRANSIENT_SECTIONS = ("tracking", "paths", "force", "runtime", "gate")
+# The built-in methods' settings had run-config sections of their own until every method's moved to quant.settings.
+# A run key keeps that layout, so that runs from before are found again: each section at the defaults it then had,
+# the scheme's own method's section its settings (defaults filled), quant.settings empty.
+SETTINGS_SECTIONS = {
+    "gptq": {"damp_percent": 0.01, "block_size": 128, "act_order": False, "static_groups": True},
+    "awq": {"grid": 20, "duo_scaling": False, "clip": True, "clip_grid": 20, "max_shrink": 0.5, "search_samples": 4,
+            "coarse_to_fine": True},
+    "smoothquant": {"alpha": 0.5},
+}
 
 
 def to_config(cfg: DictConfig | RunConfig) -> RunConfig:
@@ -89,24 +99,25 @@ def eval_settings(cfg: RunConfig, tokenizer_path: str | None) -> evaluate.EvalSe
 
 
 def check_backend(cfg: RunConfig) -> None:
-    """The evaluation settings, before any work: eval.max_gen_toks, the generator, and that eval.backend=vllm
-    serves checkpoints (the reference's and an external candidate's)."""
-    
+    """The evaluation settings, before any work: eval.max_gen_toks, the generator, and eval.backend: hf, or an
+    in-process engine of :mod:`harness.engines` that this machine can run, which loads checkpoints (the
+    reference's and an external candidate's)."""
     cap = cfg.eval.max_gen_toks
     if cap is not None and cap < 1:
         raise UsageError(f"eval.max_gen_toks={cap!r}: give a number of tokens >= 1, or null for each task's own")
     if cfg.eval.generator not in evaluate.GENERATORS:
         raise UsageError(f"eval.generator={cfg.eval.generator!r}: use one of {list(evaluate.GENERATORS)}")
-    if cfg.eval.backend not in evaluate.BACKENDS:
-        raise UsageError(f"eval.backend={cfg.eval.backend!r}: use one of {list(evaluate.BACKENDS)}")
-    if cfg.eval.backend != "vllm":
+    backend, known = cfg.eval.backend, evaluate.backends()
+    if backend not in known:
+        raise UsageError(f"eval.backend={backend!r}: use one of {list(known)}")
+    if backend == "hf":
         return
-    evaluate.check_vllm()
+    engines.in_process_engine(backend).check()
     if cfg.model.source != "hf":
-        raise UsageError(f"eval.backend=vllm loads the reference from model.path; model.source={cfg.model.source!r} "
-                         "has no checkpoint vLLM can load (use a hub id or a local directory)")
+        raise UsageError(f"eval.backend={backend} loads the reference from model.path; model.source="
+                         f"{cfg.model.source!r} has no checkpoint it can load (use a hub id or a local directory)")
     if not cfg.candidate.path:
-        raise UsageError("eval.backend=vllm serves checkpoints, and the harness's own quantization is simulated: "
+        raise UsageError(f"eval.backend={backend} serves checkpoints, and the harness's own quantization is simulated: "
                          "export it first (python -m harness.export model=... quant=... out=DIR), then evaluate "
                          "quant=external candidate.path=DIR")
 
@@ -157,9 +168,21 @@ def _version(package: str) -> str:
     return version(package.replace("_", "-"))
 
 
+def keyed_quant(scheme: QuantConfig, data: dict) -> dict:
+    """The scheme's plain ``data`` as a run key holds it: in the layout of :data:`SETTINGS_SECTIONS`."""
+    from harness.quant import method_settings
+
+    keyed = {**data, **{name: dict(defaults) for name, defaults in SETTINGS_SECTIONS.items()}}
+    if scheme.method in SETTINGS_SECTIONS:
+        keyed[scheme.method] = dataclasses.asdict(method_settings(scheme))
+        keyed["settings"] = {}
+    return keyed
+
+
 def run_key(cfg: RunConfig, model_identity: dict | None = None) -> str:
     """Identity of a job's result: model, scheme, slices and settings (not tracking/paths/runtime)."""
     data = config_dict(cfg)
+    data["quant"] = keyed_quant(cfg.quant, data["quant"])
     for transient in TRANSIENT_SECTIONS:
         data.pop(transient, None)
     data["slices"] = {name: _unset_design_dropped(dict(config)) for name, config in (data.get("slices") or {}).items()}

@@ -26,11 +26,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from harness import quant
-from harness.checkpoint import candidate, served
+from harness.checkpoint import candidate
 from harness.config import RunConfig
 from harness.decision import gate
 from harness.sizing import ledger
 from harness.divergence import scoring as divergence
+from harness.engines import served
 from harness.errors import UsageError
 from harness.evaluation import evaluate
 from harness.evaluation import sequential_run
@@ -278,8 +279,11 @@ def quantized_candidate(job: Job) -> Candidate:
 
 
 def served_candidate(job: Job) -> Candidate:
-    """A server answers for the candidate (harness.checkpoint.served); started here when the harness serves it."""
+    """A serving engine answers for the candidate (harness.engines.served); started here when the harness serves it,
+    and the checkpoint its server names described."""
     job.served = served.ServedCandidate(job.cfg.candidate, job.results_dir).start()
+    job.served.params.update(candidate.served_params(job.served.checkpoint_dir, job.served.params["candidate.name"],
+                                                     job.loaded.model))
     return Candidate(job.loaded, job.served.quant_report(job.loaded.model), job.served.params)
 
 

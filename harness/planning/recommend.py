@@ -21,7 +21,7 @@ at most). Greedy by KL saved per bit is optimal only for the fractional problem 
 choice. HiGHS's absolute tolerances (~1e-6) are the size of an 8-bit scheme's KLs, so the objective and the
 budget row are scaled to order one, the relative gap is 0, and the rounded choice is checked against the
 budget in exact terms afterwards (a choice over it is re-solved under a budget tightened by the excess).
-Bits per weight are :func:`harness.quant.base.bits_per_weight`'s: over every linear but the output head,
+Bits per weight are :func:`harness.quant.report.bits_per_weight`'s: over every linear but the output head,
 the units kept and the linears no unit covers at 16 bits.
 
 Writes under ``<paths.results_dir>/recommend/<model>__<scheme>/`` the sensitivity it computed (reused by
@@ -69,7 +69,7 @@ class Unit:
     params: int
     quant_bits: float  # storage bits of the unit's weights when quantized (scales included)
     kl: float  # mean KL when this unit alone is quantized
-    counted: bool = True  # counts in bits per weight (False: the output head, see harness.quant.base.bits_per_weight)
+    counted: bool = True  # counts in bits per weight (False: the output head, see harness.quant.report.bits_per_weight)
 
 
 @dataclass
@@ -81,7 +81,7 @@ class Choice:
 
 def bits_per_weight(units: list[Unit], quantized: list[bool], other_params: float = 0.0) -> float:
     """Bits per weight of a choice; ``other_params``: linears no unit covers (kept, at 16 bits)."""
-    from harness.quant.base import bits_per_weight as scheme_bits
+    from harness.quant import bits_per_weight as scheme_bits
 
     chosen = [(u.params, u.quant_bits / u.params) for u, q in zip(units, quantized) if q and u.counted]
     kept = sum(u.params for u, q in zip(units, quantized) if not q and u.counted)
@@ -197,7 +197,7 @@ def _measure(model: Any, scheme: QuantConfig, reference: list, context: Any) -> 
 
 def unit_table(model: Any, scheme: QuantConfig, sensitivity: pd.DataFrame, granularity: str) -> list[Unit]:
     from harness.planning.sensitivity import sensitivity_units, target_matrices
-    from harness.quant.base import linear_census
+    from harness.quant import linear_census
     from harness.quant.format_table import storage_bits
 
     assert scheme.weights is not None

@@ -41,7 +41,7 @@ from harness.config import QuantConfig, RunConfig
 from harness.divergence import scoring as divergence
 from harness.errors import UsageError
 from harness.infra.cache import atomic_write_json
-from harness.quant.base import target_linears
+from harness.quant import target_linears
 from harness.quant.experts import expert_shapes, find_fused_experts, fuse_experts
 
 log = logging.getLogger(__name__)

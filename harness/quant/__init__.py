@@ -1,128 +1,33 @@
-"""The harness's own quantizers, simulated (quantize then dequantize) in PyTorch.
+"""The harness's own quantizers, simulated (quantize then dequantize) in PyTorch: the package's public names.
 
-``apply(model, scheme, context)`` is the one entry point: it validates the scheme against the
-model, checks the context holds what the scheme's calibration passes need, runs the registered
-weight method (rtn, gptq, awq, smoothquant, or one from ``quant.plugins``) — through the
-calibrated-weight cache when its spec says cacheable — then installs activation and KV-cache
-quantization, which compose with any method. Methods: ``harness.quant.base.MethodSpec``;
-number formats: the table in ``harness.quant.format_table``.
+``apply(model, scheme, context)`` (:mod:`harness.quant.apply`) is the one entry point. Weight methods
+register in :mod:`harness.quant.methods`, each from its own module (the built-ins below: rtn, gptq, awq,
+smoothquant; any other from a module listed in ``quant.plugins``); number formats in the table of
+:mod:`harness.quant.format_table`. A scheme is checked by :mod:`harness.quant.validation`, its targets are
+chosen by :mod:`harness.quant.targets`, and the result is a :class:`QuantReport` (:mod:`harness.quant.report`).
 """
 from __future__ import annotations
 
-import time
-from typing import Any
-
-from torch import nn
-
-from harness.config import QuantConfig
-from harness.quant import awq, gptq, rtn, smoothquant  # noqa: F401  (register their methods)
-from harness.quant.base import (
+from harness.quant import awq, gptq, rtn, smoothquant  # noqa: F401  (the built-in methods register on import)
+from harness.quant.apply import apply, changes_weights, coverage_of, is_reference
+from harness.quant.calibration import calibration_passes
+from harness.quant.coverage import CoverageAccount, check_coverage
+from harness.quant.format_table import NumberFormat, SchemeError, fake_quantize, get_format, register_format
+from harness.quant.methods import (
+    COMPRESSED_TENSORS,
     MethodSpec,
-    QuantReport,
     available_methods,
-    calibration_passes,
-    check_context,
     get_method,
-    linear_census,
     method_settings,
     register_method,
-    target_linears,
-    validate_for_model,
-    validate_scheme,
-    with_model_defaults,
+    unregister_method,
 )
-from harness.quant.calibrated_cache import run_cached
-from harness.quant.coverage import CoverageAccount, check_coverage, coverage_account
-from harness.quant.experts import find_fused_experts, fuse_experts, moe_settings, quantize_routers, unfuse_experts
-from harness.quant.kv import install_kv_quant
-from harness.quant.linear import (
-    calibrate_static_scales,
-    install_activation_quant,
-    keep_float32_weights,
-)
-from harness.quant.format_table import (
-    NumberFormat,
-    SchemeError,
-    fake_quantize,
-    get_format,
-    register_format,
-)
+from harness.quant.report import LayerReport, QuantReport, bits_per_weight, linear_census
+from harness.quant.targets import bits_for, target_linears
+from harness.quant.validation import validate_for_model, validate_scheme, with_model_defaults
 
-__all__ = ["apply", "changes_weights", "check_coverage", "coverage_of", "CoverageAccount", "MethodSpec", "NumberFormat", "QuantReport", "SchemeError", "available_methods",
-           "calibration_passes", "fake_quantize", "get_format", "get_method", "is_reference", "method_settings",
-           "register_format", "register_method", "target_linears", "validate_for_model", "validate_scheme",
-           "with_model_defaults"]
-
-
-def is_reference(scheme: QuantConfig) -> bool:
-    """True when the scheme changes nothing (the reference model itself)."""
-    return scheme.weights is None and scheme.activations is None and scheme.kv_cache is None
-
-
-def changes_weights(scheme: QuantConfig) -> bool:
-    """True when applying the scheme rewrites weights: a weight grid, or a calibrated method (which
-    solves or folds into them, e.g. SmoothQuant's scales into the norms)."""
-    return scheme.weights is not None or get_method(scheme.method).calibrated
-
-
-def coverage_of(model: nn.Module, scheme: QuantConfig) -> "CoverageAccount":
-    """The coverage account of ``scheme`` on ``model`` (harness.quant.coverage): what each parameter becomes."""
-    return coverage_account(model, scheme, target_linears(model, scheme)[0] if scheme.weights is not None else {})
-
-
-def apply(model: nn.Module, scheme: QuantConfig, context: Any = None) -> QuantReport:
-    """Quantize ``model`` in place as ``scheme`` says; returns the per-layer report.
-
-    Fused mixture-of-experts experts are unfused into per-expert Linears for the method
-    (:mod:`harness.quant.experts`) and fused back afterwards, unless activations are quantized (the
-    per-expert Linears then quantize their inputs and stay). The report carries the coverage account.
-    """
-    validate_for_model(model, scheme)
-    check_context(scheme, context)
-    spec = get_method(scheme.method)
-    start = time.perf_counter()
-    report = QuantReport(scheme=scheme.name, method=scheme.method,
-                         total_params=sum(p.numel() for p in model.parameters()))
-    report.coverage = coverage_of(model, scheme)
-    moe = moe_settings(scheme)
-    unfuse = bool(find_fused_experts(model)) and (changes_weights(scheme) or scheme.activations is not None)
-    state = unfuse_experts(model, all_tokens=moe.calibrate_all_experts) if unfuse else None
-    try:
-        _apply_unfused(model, scheme, context, spec, report)
-    finally:
-        if state is not None:
-            for swap in state.swaps:
-                swap.unfused.all_tokens = swap.unfused.calibrating = False  # both are for calibration only
-            if scheme.activations is None:
-                fuse_experts(model, state)
-    if state is not None:
-        report.moe.update(fused_modules=len(state.swaps), calibrate_all_experts=moe.calibrate_all_experts,
-                          routers="quantized" if moe.quantize_router else "kept",
-                          unfused=scheme.activations is not None)
-    experts = find_fused_experts(model)
-    if experts or state is not None:  # the divergence stage adds its router agreement here (harness.divergence.router)
-        report.moe["experts"] = {name: info.num_experts for name, info in experts.items()} or             {f"{n}": len(s.unfused) for n, s in ((s.unfused.fused.name, s) for s in state.swaps)}
-        model._harness_quant_report = report
-    report.seconds = time.perf_counter() - start
-    return report
-
-
-def _apply_unfused(model: nn.Module, scheme: QuantConfig, context: Any, spec: MethodSpec, report: QuantReport) -> None:
-    if scheme.activations is not None:  # W8A8 / W4A4: the GEMM's operands stay exact (harness.quant.linear)
-        keep_float32_weights(target_linears(model, scheme)[0])
-    if spec.cacheable:
-        run_cached(model, scheme, context, report, lambda: spec.quantize(model, scheme, context, report))
-    else:
-        spec.quantize(model, scheme, context, report)
-    if moe_settings(scheme).quantize_router and scheme.weights is not None:
-        quantize_routers(model, scheme, report)
-    targets, kept = target_linears(model, scheme)
-    report.kept = kept
-    report.kept_params, report.output_head, report.input_embedding = linear_census(model, kept)
-    if scheme.activations is not None:
-        install_activation_quant(targets, scheme.activations)
-        if not scheme.activations.dynamic:
-            fmt_max = get_format(scheme.activations.format).max(scheme.activations)
-            calibrate_static_scales(model, targets, context.calibration_batches(), fmt_max)
-    if scheme.kv_cache is not None:
-        install_kv_quant(model, scheme.kv_cache, context)
+__all__ = ["COMPRESSED_TENSORS", "CoverageAccount", "LayerReport", "MethodSpec", "NumberFormat", "QuantReport",
+           "SchemeError", "apply", "available_methods", "bits_for", "bits_per_weight", "calibration_passes",
+           "changes_weights", "check_coverage", "coverage_of", "fake_quantize", "get_format", "get_method",
+           "is_reference", "linear_census", "method_settings", "register_format", "register_method",
+           "target_linears", "unregister_method", "validate_for_model", "validate_scheme", "with_model_defaults"]

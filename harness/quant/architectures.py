@@ -391,7 +391,7 @@ def round_outside_blocks(model: nn.Module, adapter: Adapter, scheme: Any, target
     report note; a target inside a block that the adapter's groups do not name is an error,
     because the method's order of work would silently skip it.
     """
-    from harness.quant.base import bits_for
+    from harness.quant.targets import bits_for
     from harness.quant.format_table import SchemeError, fake_quantize
 
     blocks_prefix = adapter.block_name(0).rsplit(".", 1)[0] + "."

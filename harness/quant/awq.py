@@ -4,9 +4,10 @@ For each group of linears sharing an input (the adapter's groups: q/k/v after th
 norm, o after v where shapes allow, gate/up after the MLP norm, down after up), the input
 channels are scaled by ``s = mean|x|^α`` (normalised by ``sqrt(max s · min s)``; with
 ``duo_scaling`` divided by ``mean|ŵ|^(1-α)`` of the group-normalised weights), α on a grid
-of ``awq.grid`` points in [0, 1). The α minimising the MSE of the group's inspected module
-output (llm-awq's ``module2inspect``: the attention for q/k/v, the MLP for gate/up, the
-linear itself for o and down) with weights ``Q(W·s)/s`` wins. ``1/s`` is folded into the
+of ``grid`` points in [0, 1) (the settings are :class:`AWQSettings`, the scheme's ``quant.settings``).
+The α minimising the MSE of the group's inspected module output (llm-awq's ``module2inspect``:
+the attention for q/k/v, the MLP for gate/up, the linear itself for o and down) with weights
+``Q(W·s)/s`` wins. ``1/s`` is folded into the
 preceding norm (Gemma's ``(1 + w)`` form included) or linear and ``s`` into the linears'
 input columns: an exact equivalence before rounding. An optional clipping search then
 shrinks each (row, group) maximum by up to ``max_shrink`` to minimise that group's output
@@ -16,11 +17,11 @@ grid point α = 0 and no clipping, AWQ equals RTN).
 
 As in llm-awq, every block sees the full-precision outputs of the blocks before it (the
 transforms are equivalences), scales are searched on the unmodified block and then applied.
-The loss of the α and clip searches is measured on the first ``quant.awq.search_samples``
+The loss of the α and clip searches is measured on the first ``quant.settings.search_samples``
 calibration sequences; the activation statistics use all of them. Search cost per block ≈
 Σ over foldable groups of ``grid`` × (fake-quantize the group's weights + run its inspected
 module on search_samples × seq_len tokens), plus per clipped linear ``max_shrink · clip_grid``
-rounds on 512 sampled tokens. ``quant.awq.coarse_to_fine`` evaluates about ``2·sqrt(grid)``
+rounds on 512 sampled tokens. ``quant.settings.coarse_to_fine`` evaluates about ``2·sqrt(grid)``
 of the grid points instead (:func:`coarse_to_fine_steps`). On SmolLM2 (one thread, 8 × 512
 search tokens) one grid point costs ~136 ms for q/k/v (the attention), ~255 ms for gate/up
 (the MLP) and ~72 ms for down; o_proj is not searched there (grouped-query attention: v's
@@ -37,7 +38,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from harness.config import AWQConfig, QuantConfig, TensorQuantConfig
+from harness.config import QuantConfig, TensorQuantConfig
 from harness.quant.architectures import (
     Adapter,
     BlockProgress,
@@ -50,16 +51,38 @@ from harness.quant.architectures import (
     run_block,
     small_ops_threads,
 )
-from harness.quant.base import QuantReport, bits_for, register_method, target_linears
 from harness.quant.experts import expert_index, moe_settings, record_fallback
 from harness.quant.format_table import SchemeError, fake_quantize
+from harness.quant.methods import COMPRESSED_TENSORS, method_settings, register_method
+from harness.quant.report import QuantReport
+from harness.quant.targets import bits_for, target_linears
 
 log = logging.getLogger(__name__)
 
-# Sequences on which the α and clip losses are measured (0: all): quant.awq.search_samples. Full-precision
+
+@dataclass
+class AWQSettings:
+    """``quant.settings`` of ``quant.method=awq``."""
+
+    grid: int = 20  # points of the alpha grid in [0, 1)
+    duo_scaling: bool = False  # llm-compressor's mean|x|^a / mean|w|^(1-a) variant
+    clip: bool = True  # search a per-group clipping ratio after scaling
+    clip_grid: int = 20  # shrink steps of 1/clip_grid; max_shrink * clip_grid of them are tried
+    max_shrink: float = 0.5  # largest clipping shrink tried (0.5: clip down to half of each group's max)
+    # Calibration sequences the alpha and clip losses are measured on (0: all); the activation
+    # statistics always use every sequence. Search time grows linearly with it. SmolLM2: 4 instead of 8 moved
+    # held-out KL by -0.005 ± 0.003, as much as searching 8 other sequences did (benchmarks/results/awq_search.json).
+    search_samples: int = 4
+    # Evaluate every ~sqrt(grid)-th alpha, then the neighbourhood of the best: the full grid's choice whenever the
+    # loss curve has a single minimum (11 of 20 points). SmolLM2: same alpha in 89 of 90 groups, held-out KL
+    # unchanged within noise, 0.54x the search time (benchmarks/results/awq_search.json). false: every point.
+    coarse_to_fine: bool = True
+
+
+# Sequences on which the α and clip losses are measured (0: all): quant.settings.search_samples. Full-precision
 # statistics always use every sequence. 4 × 512 tokens keeps SmolLM2 on a 2-core CPU within ~3 minutes (the
 # choice of search sequences moves held-out KL by a few per cent either way); on a GPU use all (search_samples=0).
-DEFAULT_SEARCH_SAMPLES = AWQConfig.search_samples
+DEFAULT_SEARCH_SAMPLES = AWQSettings.search_samples
 CLIP_TOKENS = 512  # llm-awq's n_sample_token for the clip search
 CLIP_BATCH_ELEMENTS = 1 << 24  # rows × tokens × groups per clip-search batch (64 MiB of float32 outputs)
 
@@ -136,7 +159,7 @@ def search_scales(linears: list[nn.Linear], quantize: list[bool], inspect: Calla
     returning.
     """
     if grid < 1:
-        raise SchemeError(f"quant.awq.grid={grid} must be at least 1")
+        raise SchemeError(f"quant.settings.grid={grid} must be at least 1")
     originals = [linear.weight.data for linear in linears]
     if not reference:
         reference = inspect()
@@ -311,7 +334,7 @@ def quantize_awq(model: nn.Module, scheme: QuantConfig, tokens: Tensor, device: 
     spec = scheme.weights
     if spec is None:
         raise SchemeError("quant.method=awq needs quant.weights (an integer weight spec)")
-    settings = scheme.awq
+    settings: AWQSettings = method_settings(scheme)
     device = torch.device(device)
     adapter = get_adapter(model)
     targets, _ = target_linears(model, scheme)
@@ -378,7 +401,7 @@ def _tick(outcome: AWQOutcome, phase: str, since: tuple[float, float]) -> tuple[
 
 def _process_block(block: nn.Module, prefix: str, adapter: Adapter, groups: list[LinearGroup],
                    captures: dict[str, _GroupCapture], targets: dict[str, nn.Linear], spec: TensorQuantConfig,
-                   settings: Any, outcome: AWQOutcome) -> None:
+                   settings: AWQSettings, outcome: AWQOutcome) -> None:
     """Search every group's scales on the unmodified block, then fold them all."""
     found = []
     for group in groups:
@@ -410,7 +433,7 @@ def _process_block(block: nn.Module, prefix: str, adapter: Adapter, groups: list
 
 def _clip_and_round(prefix: str, adapter: Adapter, groups: list[LinearGroup],
                     captures: dict[str, _GroupCapture], block_targets: dict[str, nn.Linear],
-                    originals: dict[str, Tensor], scheme: QuantConfig, settings: Any, outcome: AWQOutcome,
+                    originals: dict[str, Tensor], scheme: QuantConfig, settings: AWQSettings, outcome: AWQOutcome,
                     report: QuantReport) -> None:
     spec = scheme.weights
     assert spec is not None
@@ -442,19 +465,20 @@ def _clip_and_round(prefix: str, adapter: Adapter, groups: list[LinearGroup],
 
 
 def _check_settings(scheme: QuantConfig) -> None:
-    settings = scheme.awq
+    settings: AWQSettings = method_settings(scheme)
     for name in ("grid", "clip_grid"):
         if getattr(settings, name) < 1:
-            raise SchemeError(f"quant.awq.{name}={getattr(settings, name)} must be at least 1 (default 20)")
+            raise SchemeError(f"quant.settings.{name}={getattr(settings, name)} must be at least 1 (default 20)")
     if settings.search_samples < 0:
-        raise SchemeError(f"quant.awq.search_samples={settings.search_samples} must be >= 0 (0: every sequence)")
+        raise SchemeError(f"quant.settings.search_samples={settings.search_samples} must be >= 0 (0: every sequence)")
     if not 0.0 <= settings.max_shrink <= 1.0:
-        raise SchemeError(f"quant.awq.max_shrink={settings.max_shrink} must lie in [0, 1] (default 0.5)")
+        raise SchemeError(f"quant.settings.max_shrink={settings.max_shrink} must lie in [0, 1] (default 0.5)")
 
 
-@register_method("awq", settings=AWQConfig, section="awq", needs=("tokens",), cacheable=True,
-                 weight_formats=("int",), validate=_check_settings)
+@register_method("awq", settings=AWQSettings, needs=("tokens",), cacheable=True, weight_formats=("int",),
+                 exports=(COMPRESSED_TENSORS,), validate=_check_settings)
 def awq(model: nn.Module, scheme: QuantConfig, context: Any, report: QuantReport) -> list[str]:
     outcome = quantize_awq(model, scheme, context.tokens(), context.device, report,
-                           batch_size=getattr(context, "batch_size", 8), search_samples=scheme.awq.search_samples)
+                           batch_size=getattr(context, "batch_size", 8),
+                           search_samples=method_settings(scheme).search_samples)
     return sorted(set(outcome.changed))

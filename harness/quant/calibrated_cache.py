@@ -24,7 +24,8 @@ from torch import nn
 
 from harness.config import MoEQuantConfig, QuantConfig
 from harness.infra.cache import stable_hash
-from harness.quant.base import LayerReport, QuantReport, get_method, method_settings
+from harness.quant.methods import get_method, method_settings
+from harness.quant.report import LayerReport, QuantReport
 
 log = logging.getLogger(__name__)
 

@@ -15,6 +15,10 @@ prompt included, as the evaluation renders it) and keeps the first ``seq_len`` t
 Hessians and activation ranges a method fits include the template's tokens and the positions
 after them; ``plain`` keeps raw text windows (a base model's only format). The chat layout is
 part of the calibrated cache key (:func:`source_identity`) besides the token hash.
+
+:func:`calibration_passes` lists the parts of a scheme that run over the calibration set (its method, when
+the method's registration says it needs calibration, and static scales); :func:`check_context` refuses a
+context that lacks what they need before any weight changes.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from harness.config import CalibrationConfig, QuantConfig
 from harness.infra.cache import Cache, stable_hash
 from harness.quant import calibration_sources
 from harness.quant.format_table import SchemeError
+from harness.quant.methods import CONTEXT_NEEDS, get_method
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +70,33 @@ def validate_calibration(config: CalibrationConfig) -> None:
         raise SchemeError(f"quant.calibration.format={config.format!r} is unknown; use chat (user turn + assistant "
                           "reply in the model's chat template), plain (raw text) or auto (chat when the model is "
                           "evaluated with its chat template)")
+
+
+def calibration_passes(scheme: QuantConfig) -> list[tuple[str, frozenset[str]]]:
+    """Each part of the scheme that runs over the calibration set, with what it needs from the context.
+
+    The method (when calibrated), static activation scales and static KV-cache scales each make
+    one pass; methods under ``rtn`` calibrate too when a scale is static (fp8_static, kv8).
+    """
+    passes = []
+    spec = get_method(scheme.method)
+    if spec.calibrated:
+        passes.append((f"quant.method={spec.name}", spec.needs))
+    if scheme.activations is not None and not scheme.activations.dynamic:
+        passes.append(("static activation scales (quant.activations.dynamic=false)", frozenset({"batches"})))
+    kv = scheme.kv_cache
+    if kv is not None and any(s is not None and not s.dynamic for s in (kv.keys, kv.values)):
+        passes.append(("static KV-cache scales (quant.kv_cache.*.dynamic=false)", frozenset({"batches"})))
+    return passes
+
+
+def check_context(scheme: QuantConfig, context: Any) -> None:
+    """Refuse a context that lacks what the scheme's calibration passes need, before any work."""
+    for what, needs in calibration_passes(scheme):
+        missing = [f"{CONTEXT_NEEDS[n]}()" for n in sorted(needs) if not hasattr(context, CONTEXT_NEEDS[n])]
+        if missing:
+            raise SchemeError(f"{what} needs calibration data (a context with {', '.join(missing)}): pass a "
+                              "CalibrationContext to quant.apply")
 
 
 def check_format(config: CalibrationConfig, chat_template: bool, model_name: str) -> None:

@@ -13,7 +13,7 @@ Every parameter is classified as exactly one of
 :func:`check_coverage` refuses such a scheme before any evaluation, in one line naming the modules, their
 share of the weights and the fix (``quant.allow_uncovered=true``). Bits per weight is computed from the
 account: quantized matrices at their storage rate, every other matrix-shaped weight but the embeddings
-and the output head at 16 bits (the convention of :func:`harness.quant.base.bits_per_weight`).
+and the output head at 16 bits (the convention of :func:`harness.quant.report.bits_per_weight`).
 The account is static: it reads the model's modules and the scheme, not the weights, so it works on a
 meta-device model before loading and on a fused MoE model before its experts are unfused.
 """
@@ -154,8 +154,8 @@ def coverage_account(model: nn.Module, scheme: Any, targets: dict[str, nn.Module
                      experts_supported: bool = True) -> CoverageAccount:
     """Classify every parameter of ``model`` under ``scheme`` (see the module docstring).
 
-    ``targets``: the Linears the scheme's method quantizes (``harness.quant.base.target_linears``; passed in so
-    that this module sits below ``base``, which refuses uncovered schemes with it).
+    ``targets``: the Linears the scheme's method quantizes (``harness.quant.targets.target_linears``; passed in
+    so that this module sits below ``harness.quant.validation``, which refuses uncovered schemes with it).
 
     ``experts_supported``: whether fused MoE experts are quantized per expert (the harness does;
     False reproduces a Linear-only quantizer, whose experts are then not covered).

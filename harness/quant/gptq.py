@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from harness.config import GPTQConfig, QuantConfig, TensorQuantConfig
+from harness.config import QuantConfig, TensorQuantConfig
 from harness.quant import format_math
 from harness.quant.architectures import (
     BlockProgress,
@@ -40,13 +40,26 @@ from harness.quant.architectures import (
     small_ops_threads,
     staged_forward,
 )
-from harness.quant.base import QuantReport, bits_for, register_method, target_linears
 from harness.quant.experts import expert_fallback, expert_index, expert_stages, moe_settings
 from harness.quant.format_table import SchemeError, full_range
+from harness.quant.methods import COMPRESSED_TENSORS, method_settings, register_method
+from harness.quant.report import QuantReport
+from harness.quant.targets import bits_for, target_linears
 
 log = logging.getLogger(__name__)
 
 MAX_DAMPING_RETRIES = 6  # ×10 each: from 1% of the mean diagonal up to 10^4 %
+
+
+@dataclass
+class GPTQSettings:
+    """``quant.settings`` of ``quant.method=gptq``."""
+
+    damp_percent: float = 0.01  # fraction of mean(diag H) added to the diagonal
+    block_size: int = 128  # columns per lazy-update block
+    act_order: bool = False  # quantize columns by descending diag(H), static groups
+    # with act_order: group scales fixed before the column reordering (no g_idx at inference)
+    static_groups: bool = True
 
 
 class HessianAccumulator:
@@ -109,7 +122,7 @@ def _upper_inverse_cholesky(hessian: Tensor, damp_percent: float, name: str) -> 
             break
         new_damp = damp * 10 if damp > 0 else 1e-4
         log.warning("GPTQ: Cholesky factorization of the Hessian of %s failed with damp_percent=%g; retrying with "
-                    "%g (its inputs are nearly collinear; raise quant.gptq.damp_percent to avoid this)",
+                    "%g (its inputs are nearly collinear; raise quant.settings.damp_percent to avoid this)",
                     name, damp, new_damp)
         damp = new_damp
     raise RuntimeError(f"GPTQ: the Hessian of {name} is not positive definite even with damp_percent={damp:g}; "
@@ -228,7 +241,7 @@ def quantize_gptq(model: nn.Module, scheme: QuantConfig, tokens: Tensor, device:
     spec = scheme.weights
     if spec is None:
         raise SchemeError("quant.method=gptq needs quant.weights (an integer weight spec)")
-    settings = scheme.gptq
+    settings: GPTQSettings = method_settings(scheme)
     device = torch.device(device)
     adapter = get_adapter(model)
     targets, _ = target_linears(model, scheme)
@@ -286,7 +299,7 @@ def quantize_gptq(model: nn.Module, scheme: QuantConfig, tokens: Tensor, device:
 
 
 def _solve_stage(prefix: str, names: list[str], modules: list[nn.Linear], hessian: Tensor,
-                 spec: TensorQuantConfig, settings: GPTQConfig) -> list[tuple[str, nn.Linear, GPTQResult]]:
+                 spec: TensorQuantConfig, settings: GPTQSettings) -> list[tuple[str, nn.Linear, GPTQResult]]:
     """GPTQ the linears of one stage, which share ``hessian``; returns (name, module, result) each.
 
     GPTQ treats the rows of a weight independently (the error of row r moves only along row r,
@@ -310,8 +323,8 @@ def _solve_stage(prefix: str, names: list[str], modules: list[nn.Linear], hessia
             for full, module, part in zip(fulls, modules, parts)]
 
 
-@register_method("gptq", settings=GPTQConfig, section="gptq", needs=("tokens",), cacheable=True,
-                 weight_formats=("int",))
+@register_method("gptq", settings=GPTQSettings, needs=("tokens",), cacheable=True, weight_formats=("int",),
+                 exports=(COMPRESSED_TENSORS,))
 def gptq(model: nn.Module, scheme: QuantConfig, context: Any, report: QuantReport) -> list[str]:
     return quantize_gptq(model, scheme, context.tokens(), context.device, report,
                          batch_size=getattr(context, "batch_size", 8))

@@ -5,8 +5,10 @@ import torch
 from torch import nn
 
 from harness.config import QuantConfig
-from harness.quant.base import QuantReport, bits_for, register_method, target_linears
 from harness.quant.format_table import fake_quantize
+from harness.quant.methods import COMPRESSED_TENSORS, register_method
+from harness.quant.report import QuantReport
+from harness.quant.targets import bits_for, target_linears
 
 
 @torch.no_grad()
@@ -21,7 +23,7 @@ def quantize_weights_rtn(model: nn.Module, scheme: QuantConfig, report: QuantRep
         module.weight.data = quantized
 
 
-@register_method("rtn")
+@register_method("rtn", exports=(COMPRESSED_TENSORS,))
 def rtn(model: nn.Module, scheme: QuantConfig, context: object, report: QuantReport) -> None:
     """No calibration, any weight format: the baseline every other method is compared with."""
     quantize_weights_rtn(model, scheme, report)

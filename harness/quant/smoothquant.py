@@ -32,18 +32,28 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from harness.config import QuantConfig, SmoothQuantConfig
+from harness.config import QuantConfig
 from harness.models.hooks import forward_pre_hooks, run_batches
 from harness.quant.architectures import get_adapter, has_modules
-from harness.quant.base import QuantReport, register_method, target_linears
-from harness.quant.rtn import quantize_weights_rtn
 from harness.quant.format_table import SchemeError
+from harness.quant.methods import COMPRESSED_TENSORS, method_settings, register_method
+from harness.quant.report import QuantReport
+from harness.quant.rtn import quantize_weights_rtn
+from harness.quant.targets import target_linears
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SmoothGroup", "collect_input_maxima", "smooth_groups", "smooth_model", "smoothing_scales"]
+__all__ = ["SmoothGroup", "SmoothQuantSettings", "collect_input_maxima", "smooth_groups", "smooth_model",
+           "smoothing_scales"]
 
 _MIN_SCALE = 1e-5  # the reference's clamp of the weight maxima and of s
+
+
+@dataclass
+class SmoothQuantSettings:
+    """``quant.settings`` of ``quant.method=smoothquant``."""
+
+    alpha: float = 0.5  # migration strength; 0.8-0.9 for larger models
 
 
 @dataclass(frozen=True)
@@ -129,17 +139,17 @@ def smooth_model(model: nn.Module, groups: list[SmoothGroup], maxima: dict[str, 
 
 
 def _check_alpha(scheme: QuantConfig) -> None:
-    alpha = float(scheme.smoothquant.alpha)
+    alpha = float(method_settings(scheme).alpha)
     if not 0.0 <= alpha <= 1.0:
-        raise SchemeError(f"quant.smoothquant.alpha={alpha}: the migration strength must lie in [0, 1] "
+        raise SchemeError(f"quant.settings.alpha={alpha}: the migration strength must lie in [0, 1] "
                           "(0.5 default; 0.8-0.9 for larger models)")
 
 
-@register_method("smoothquant", settings=SmoothQuantConfig, section="smoothquant", needs=("batches",),
+@register_method("smoothquant", settings=SmoothQuantSettings, needs=("batches",), exports=(COMPRESSED_TENSORS,),
                  validate=_check_alpha)
 def smoothquant(model: nn.Module, scheme: QuantConfig, context: Any, report: QuantReport) -> None:
     """Smooth with calibration maxima, then round the weights to nearest with ``scheme.weights``."""
-    alpha = float(scheme.smoothquant.alpha)
+    alpha = float(method_settings(scheme).alpha)
     adapter = get_adapter(model)
     groups = smooth_groups(model, scheme)
     batches = context.calibration_batches()

@@ -48,7 +48,7 @@ __all__ = ["DEFAULT_GPUS", "GPU", "GPU_BANDWIDTH", "GPU_BF16_FLOPS", "GPU_MEMORY
            "kv_bits_per_element", "kv_bytes_per_token", "ledger_for_run", "resolve_gpus"]
 
 if TYPE_CHECKING:
-    from harness.quant.base import QuantReport
+    from harness.quant import QuantReport
 
 log = logging.getLogger("harness.ledger")
 ARCHITECTURES_FILE = CONF_DIR / "ledger" / "architectures.yaml"
@@ -143,7 +143,7 @@ def decode_floor_table(report: "QuantReport", gpus: dict[str, float], *, model_n
     Rows: this model in BF16 and as quantized (kept layers at 16 bits, ``report.weight_bits``;
     the decode floor gathers an untied input embedding, :func:`decode_read_bytes`); then each of
     ``sizes`` (default 8B, 70B) in BF16 and with *all* parameters at the scheme's bits per weight
-    (:func:`harness.quant.base.bits_per_weight`: kept linears at 16, scales included), as the
+    (:func:`harness.quant.report.bits_per_weight`: kept linears at 16, scales included), as the
     primers' tables count (every parameter read per token: nominal sizes have no embedding shape).
     One column ``ms_per_token_<GPU>`` per entry of ``gpus`` (name → bytes/s).
     """
@@ -348,8 +348,9 @@ def architecture(model: ModelConfig, given: Architecture | None = None) -> Archi
 
 def scheme_weight_bytes(arch: Architecture, scheme: QuantConfig) -> tuple[float, float]:
     """(weight bytes, bits per weight) of ``scheme`` on ``arch``'s shapes; bits per weight as
-    :func:`harness.quant.base.bits_per_weight` counts it (kept linears at 16, the output head out)."""
-    from harness.quant.base import _matches, bits_per_weight
+    :func:`harness.quant.report.bits_per_weight` counts it (kept linears at 16, the output head out)."""
+    from harness.quant import bits_per_weight
+    from harness.quant.experts import name_matches
     from harness.quant.format_table import storage_bits
 
     params = arch.total_params()
@@ -359,7 +360,8 @@ def scheme_weight_bytes(arch: Architecture, scheme: QuantConfig) -> tuple[float,
         if arch.tied_embeddings and name == "lm_head":
             continue
         size = out_features * in_features
-        if scheme.weights is None or _matches(name, list(scheme.keep)) or not _matches(name, list(scheme.targets)):
+        kept = name_matches(name, list(scheme.keep)) or not name_matches(name, list(scheme.targets))
+        if scheme.weights is None or kept:
             kept_params += 0 if name == "lm_head" else size
         else:
             quantized[name] = (size, storage_bits(scheme.weights, out_features, in_features))
@@ -512,7 +514,7 @@ def build_ledger(model_name: str, arch: Architecture, scheme: QuantConfig, *, we
 
 def expert_bits(arch: Architecture, scheme: QuantConfig) -> float:
     """Storage bits per weight of one routed expert under ``scheme`` (16 when it keeps the experts)."""
-    from harness.quant.base import _matches
+    from harness.quant.experts import name_matches
     from harness.quant.format_table import storage_bits
 
     if not arch.num_experts or scheme.weights is None:
@@ -523,7 +525,7 @@ def expert_bits(arch: Architecture, scheme: QuantConfig) -> float:
     total = 0.0
     for proj, (out_features, in_features) in shapes.items():
         name = f"model.layers.{layer}.mlp.experts.0.{proj}"
-        kept = _matches(name, list(scheme.keep)) or not _matches(name, list(scheme.targets))
+        kept = name_matches(name, list(scheme.keep)) or not name_matches(name, list(scheme.targets))
         total += out_features * in_features * (REFERENCE_BITS if kept else
                                                storage_bits(scheme.weights, out_features, in_features))
     return total / arch.expert_params()

@@ -37,8 +37,7 @@ from harness.sizing.ledger import (  # noqa: F401 (re-exported)
 from harness.errors import UsageError
 from harness.infra.cache import Cache, atomic_write_text
 from harness.models import loading as models
-from harness.quant import smoothquant  # noqa: F401  (registers "smoothquant")
-from harness.quant.base import QuantReport
+from harness.quant import QuantReport
 from harness.results.report import coverage_lines
 
 log = logging.getLogger(__name__)

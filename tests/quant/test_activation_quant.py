@@ -4,6 +4,7 @@ hand-computed grids."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from harness.quant import format_math as formats
 from harness.quant import linear as linear_mod
 from harness.quant.linear import ActQuantLinear, _InputCache, calibrate_static_scales
 from harness.quant.format_table import SchemeError
+from tiny_models import tiny_llama
 
 VOCAB = 256
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
@@ -29,17 +31,7 @@ class TokenContext:
         return self.batches
 
 
-def tiny_llama(seed: int = 0) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.normal_(0.0, 0.08)
-    return model
+llama = partial(tiny_llama, vocab_size=VOCAB, hidden_size=128, std=0.08)
 
 
 def preset(name: str) -> QuantConfig:
@@ -68,7 +60,7 @@ def int8_per_token_reference(x: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------ weights once, inputs per call
 def test_weights_are_quantized_once_at_apply_time_never_per_call(monkeypatch):
-    model = tiny_llama()
+    model = llama()
     originals = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     quant.apply(model, preset("fp8"), None)
     targets = {n: m for n, m in model.named_modules() if isinstance(m, ActQuantLinear)}
@@ -133,10 +125,10 @@ def test_static_per_tensor_fp8_scale_is_calibration_amax_over_448():
 
 
 def test_fp8_static_preset_calibrates_every_target_and_needs_calibration_data():
-    model = tiny_llama()
+    model = llama()
     with pytest.raises(SchemeError, match="calibration"):
         quant.apply(model, preset("fp8_static"), None)
-    model = tiny_llama()
+    model = llama()
     quant.apply(model, preset("fp8_static"), TokenContext([tokens(1, (4, 32)), tokens(2, (4, 32))]))
     scales = [m.input_scale for m in model.modules() if isinstance(m, ActQuantLinear)]
     assert len(scales) == 14 and all(bool(torch.isfinite(s) & (s > 0)) for s in scales)
@@ -175,10 +167,10 @@ def _on_nvfp4_grid(values: torch.Tensor) -> bool:
 @pytest.mark.parametrize("name,on_grid", [("mxfp4", lambda v: _on_mx_grid(v, 32)), ("nvfp4", _on_nvfp4_grid)])
 def test_w4a4_quantizes_weights_and_every_input_onto_the_fp4_grid(monkeypatch, name, on_grid):
     ids = tokens()
-    reference = logits(tiny_llama(), ids)
-    weight_only = tiny_llama()
+    reference = logits(llama(), ids)
+    weight_only = llama()
     quant.apply(weight_only, preset(f"{name}_w4a16"), None)
-    model = tiny_llama()
+    model = llama()
     quant.apply(model, preset(name), None)
     targets = [m for m in model.modules() if isinstance(m, ActQuantLinear)]
     assert len(targets) == 14 and all(on_grid(m.weight.detach()) for m in targets)

@@ -1,30 +1,22 @@
 """Architecture adapters: block capture/replay, group wiring, scale folding (Llama and Gemma 3)."""
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from torch import nn
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from harness.quant.architectures import (GEMMA3, LLAMA, capture_block_inputs, get_adapter, make_batches,
                                     round_outside_blocks, run_block, staged_forward)
 from harness.quant.awq import fold_scales
+from tiny_models import tiny_llama
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matmuls run fastest (and least disturbed by other jobs) on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-
-def tiny_llama(kv_heads: int = 2, seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=128)
-    return LlamaForCausalLM(config).eval()
+llama = partial(tiny_llama, vocab_size=128, max_position_embeddings=128)
 
 
 def tiny_gemma(kv_heads: int = 4, seed: int = 0) -> Gemma3ForCausalLM:
@@ -40,7 +32,7 @@ def tiny_gemma(kv_heads: int = 4, seed: int = 0) -> Gemma3ForCausalLM:
     return model
 
 
-MODELS = {"llama": tiny_llama, "gemma3": tiny_gemma}
+MODELS = {"llama": llama, "gemma3": tiny_gemma}
 
 
 @pytest.mark.parametrize("family", sorted(MODELS))
@@ -104,8 +96,8 @@ def test_groups_name_every_consumer_of_one_input(family: str) -> None:
 
 def test_v_to_o_is_foldable_only_without_grouped_query_attention() -> None:
     prevs = lambda model: [g.prev for g in LLAMA.foldable_groups(LLAMA.blocks(model)[0])]  # noqa: E731
-    assert "self_attn.v_proj" not in prevs(tiny_llama(kv_heads=2))
-    assert prevs(tiny_llama(kv_heads=4)) == ["input_layernorm", "self_attn.v_proj", "post_attention_layernorm",
+    assert "self_attn.v_proj" not in prevs(llama(kv_heads=2))
+    assert prevs(llama(kv_heads=4)) == ["input_layernorm", "self_attn.v_proj", "post_attention_layernorm",
                                               "mlp.up_proj"]
     assert "self_attn.v_proj" not in [g.prev for g in GEMMA3.foldable_groups(GEMMA3.blocks(tiny_gemma(1))[0])]
 
@@ -138,10 +130,10 @@ def test_unknown_family_names_the_known_ones() -> None:
 
 def test_targets_outside_blocks_are_rounded_with_a_note() -> None:
     from harness.config import QuantConfig, TensorQuantConfig
-    from harness.quant.base import QuantReport, target_linears
+    from harness.quant import QuantReport, target_linears
     from harness.quant.format_table import fake_quantize
 
-    model = tiny_llama()
+    model = llama()
     spec = TensorQuantConfig(format="int", bits=4, granularity="group", group_size=32)
     scheme = QuantConfig(name="x", method="gptq", weights=spec, keep=["*embed*"])
     targets, _ = target_linears(model, scheme)

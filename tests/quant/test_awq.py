@@ -7,22 +7,18 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaForCausalLM
 
-from harness.config import AWQConfig, QuantConfig, TensorQuantConfig
-from harness.quant.awq import (candidate_scales, coarse_to_fine_steps, quantize_awq, search_clip, search_scales,
-                               weight_mean)
-from harness.quant.base import QuantReport
+from harness.config import QuantConfig, TensorQuantConfig
+from harness.quant import QuantReport
+from harness.quant.awq import (AWQSettings, candidate_scales, coarse_to_fine_steps, quantize_awq, search_clip,
+                               search_scales, weight_mean)
 from harness.quant.rtn import quantize_weights_rtn
 from harness.quant.format_table import fake_quantize
+from tiny_models import tiny_llama
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 ASYM = TensorQuantConfig(format="int", bits=4, symmetric=False, granularity="group", group_size=32)
@@ -32,11 +28,8 @@ RAGGED = TensorQuantConfig(format="int", bits=4, symmetric=False, granularity="g
                            ragged_groups=True)
 
 
-def tiny_llama(kv_heads: int = 4, seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=128)
-    model = LlamaForCausalLM(config).eval()
+def outlier_llama(kv_heads: int = 4, seed: int = 0) -> LlamaForCausalLM:
+    model = tiny_llama(vocab_size=128, kv_heads=kv_heads, seed=seed, max_position_embeddings=128)
     with torch.no_grad():  # outlier channels, as real models have, so that scales matter
         for layer in model.model.layers:
             layer.input_layernorm.weight[:4] = 8.0
@@ -62,7 +55,7 @@ def _tokens(n: int = 12, length: int = 24, seed: int = 0) -> torch.Tensor:
 
 
 def _scheme(spec: TensorQuantConfig = ASYM, **awq_settings) -> QuantConfig:
-    return QuantConfig(name="awq_test", method="awq", weights=spec, awq=AWQConfig(**awq_settings))
+    return QuantConfig(name="awq_test", method="awq", weights=spec, settings=awq_settings)
 
 
 def test_candidate_scales_by_hand() -> None:
@@ -83,7 +76,7 @@ def test_weight_mean_by_hand() -> None:
 @pytest.mark.parametrize("duo_scaling", [False, True])
 @torch.no_grad()
 def test_folding_is_an_exact_equivalence_with_rounding_off(family: str, kv_heads: int, duo_scaling: bool) -> None:
-    model = tiny_llama(kv_heads) if family == "llama" else tiny_gemma()
+    model = outlier_llama(kv_heads) if family == "llama" else tiny_gemma()
     tokens = _tokens()
     before = model(tokens).logits
     outcome = quantize_awq(model, _scheme(duo_scaling=duo_scaling), tokens, "cpu", QuantReport("a", "awq"),
@@ -99,7 +92,7 @@ def test_folding_is_an_exact_equivalence_with_rounding_off(family: str, kv_heads
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 @torch.no_grad()
 def test_single_alpha_zero_and_no_clip_equals_rtn(spec: TensorQuantConfig, family: str) -> None:
-    build = tiny_llama if family == "llama" else tiny_gemma
+    build = outlier_llama if family == "llama" else tiny_gemma
     awq_model, rtn_model = build(), build()
     scheme = _scheme(spec, grid=1, clip=False)
     outcome = quantize_awq(awq_model, scheme, _tokens(), "cpu", QuantReport("a", "awq"), batch_size=4)
@@ -220,7 +213,7 @@ def test_clip_search_shrinks_an_outlier_weight_nobody_reads() -> None:
 
 @torch.no_grad()
 def test_ragged_groups_with_clipping_stay_on_the_grid() -> None:
-    model = tiny_llama()
+    model = outlier_llama()
     quantize_awq(model, _scheme(RAGGED), _tokens(), "cpu", QuantReport("a", "awq"), batch_size=4, search_samples=4)
     down = model.model.layers[0].mlp.down_proj.weight  # 128 inputs: groups 48, 48, 32
     for start, end in ((0, 48), (48, 96), (96, 128)):
@@ -229,7 +222,7 @@ def test_ragged_groups_with_clipping_stay_on_the_grid() -> None:
 
 @torch.no_grad()
 def test_awq_model_beats_rtn_on_outlier_model_and_reports_effective_weights() -> None:
-    reference = tiny_llama()
+    reference = outlier_llama()
     awq_model, rtn_model = copy.deepcopy(reference), copy.deepcopy(reference)
     report = QuantReport("awq", "awq")
     quantize_awq(awq_model, _scheme(), _tokens(16), "cpu", report, batch_size=4, search_samples=8)
@@ -263,7 +256,7 @@ def test_search_samples_comes_from_the_config_and_bad_settings_fail_at_config_ti
         def tokens(self) -> torch.Tensor:
             return self.token_set
 
-    assert AWQConfig().search_samples == 4  # the default (measured on SmolLM2: benchmarks/results/awq_search.json)
+    assert AWQSettings().search_samples == 4  # the default (measured on SmolLM2: benchmarks/results/awq_search.json)
     seen = []
 
     def search_scales(linears, quantize, inspect, *args, **kwargs):  # sequences the α loss is measured on
@@ -273,18 +266,18 @@ def test_search_samples_comes_from_the_config_and_bad_settings_fail_at_config_ti
     real = awq_mod.search_scales
     for samples, expected in ((4, 4), (0, 12)):  # 0: every sequence
         scheme = _scheme()
-        scheme.awq.search_samples = samples
+        scheme.settings["search_samples"] = samples
         seen.clear()
         awq_mod.search_scales = search_scales
         try:
-            quant.apply(tiny_llama(), scheme, Context(_tokens(12)))
+            quant.apply(outlier_llama(), scheme, Context(_tokens(12)))
         finally:
             awq_mod.search_scales = real
         assert set(seen) == {expected}
     for field, value in (("grid", 0), ("clip_grid", 0), ("search_samples", -1), ("max_shrink", 1.5)):
         scheme = _scheme()
-        setattr(scheme.awq, field, value)
-        with pytest.raises(SchemeError, match=f"quant.awq.{field}={value}"):
+        scheme.settings[field] = value
+        with pytest.raises(SchemeError, match=f"quant.settings.{field}={value}"):
             quant.validate_scheme(scheme)
 
 
@@ -299,12 +292,13 @@ def test_cache_key_keeps_full_grid_entries_and_separates_coarse_to_fine() -> Non
     full = _scheme(coarse_to_fine=False)
     before = {"method": "awq", "weights": dataclasses.asdict(full.weights), "targets": list(full.targets),
               "keep": list(full.keep), "version": ALGORITHM_VERSION,
-              "settings": {k: v for k, v in dataclasses.asdict(full.awq).items() if k != "coarse_to_fine"}}
+              "settings": {k: v for k, v in dataclasses.asdict(AWQSettings(coarse_to_fine=False)).items()
+                           if k != "coarse_to_fine"}}
     if before["weights"].get("int_range") == "restricted":
         del before["weights"]["int_range"]
     assert calibrated_key("m", full, "h") == stable_hash({"model": "m", "scheme": before, "calibration": "h"}, 24)
     quick = _scheme()  # coarse-to-fine is the default
-    assert quick.awq.coarse_to_fine
+    assert AWQSettings().coarse_to_fine
     assert calibrated_key("m", quick, "h") != calibrated_key("m", full, "h")
 
 
@@ -322,8 +316,8 @@ def test_whole_model_search_follows_the_coarse_to_fine_setting(coarse_to_fine: b
 
     awq_mod.search_scales = search_scales
     try:
-        quantize_awq(tiny_llama(), _scheme(coarse_to_fine=coarse_to_fine), _tokens(8), "cpu", QuantReport("a", "awq"),
-                     batch_size=4, search_samples=4)
+        quantize_awq(outlier_llama(), _scheme(coarse_to_fine=coarse_to_fine), _tokens(8), "cpu",
+                     QuantReport("a", "awq"), batch_size=4, search_samples=4)
     finally:
         awq_mod.search_scales = real
     groups = 2 * 4  # two blocks; without grouped-query attention v→o is searched too

@@ -26,7 +26,7 @@ OFFLINE = ("prose", "code", "multilingual", "math")
 MAIN_KEYS = {"gptq_w4g128": "814ff5ecf0ff7c13558b6381", "awq_w4g128": "e0c852b270393a14375acbfa"}
 # AWQ's defaults changed since (search_samples 8 -> 4, coarse-to-fine grid): its keys from before
 # are those of the old settings, which must still find their cache entries.
-BEFORE = {"awq_w4g128": ("quant.awq.search_samples=8", "quant.awq.coarse_to_fine=false")}
+BEFORE = {"awq_w4g128": ("quant.settings.search_samples=8", "quant.settings.coarse_to_fine=false")}
 MAIN_DEFAULT_WINDOWS = {"python": (3, 11), "num_samples": 4, "seq_len": 64, "hash": "5bdde8c9eb014472"}
 
 

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from harness import quant
 from harness.config import KVCacheQuantConfig, QuantConfig, TensorQuantConfig
@@ -19,6 +18,7 @@ from harness.quant.kv import fake_quantize_kv, install_kv_quant, kv_formats, kv_
 from harness.quant.linear import ActQuantLinear
 from harness.quant.format_table import FORMATS, SchemeError, unregister_format
 from tests.quant.toy_format import TOY, toy_entry
+from tiny_models import tiny_llama
 
 unregister_format(TOY)  # importing the plugin registered it; each test registers its own entry
 
@@ -33,15 +33,6 @@ def reference(x: np.ndarray, axis=None) -> np.ndarray:
     """Symmetric 3-bit grid, scale amax / 3 over ``axis`` (None: the whole array), ties to even."""
     scale = np.abs(x).max(axis=axis, keepdims=True) / 3
     return np.clip(np.round(x / scale), -3, 3) * scale
-
-
-def tiny_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config).eval()
-    model.set_attn_implementation("sdpa")
-    return model
 
 
 @dataclass
@@ -66,7 +57,7 @@ def test_the_built_in_formats_are_one_entry_each():
 
 @torch.no_grad()
 def test_a_registered_format_quantizes_weights_as_its_reference(toy_format):
-    model = tiny_llama()
+    model = tiny_llama(attn="sdpa")
     originals = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     scheme = QuantConfig(name="w3", method="rtn", weights=TensorQuantConfig(format=toy_format, granularity="channel"))
     report = quant.apply(model, scheme)
@@ -85,7 +76,7 @@ def test_a_registered_format_quantizes_weights_as_its_reference(toy_format):
 
 @torch.no_grad()
 def test_a_registered_format_quantizes_dynamic_and_static_activations(toy_format):
-    model = tiny_llama()
+    model = tiny_llama(attn="sdpa")
     scheme = QuantConfig(name="a3", method="rtn", activations=TensorQuantConfig(format=toy_format, granularity="token"))
     quant.apply(model, scheme)
     linear = model.model.layers[0].mlp.down_proj
@@ -94,7 +85,7 @@ def test_a_registered_format_quantizes_dynamic_and_static_activations(toy_format
     expected = torch.from_numpy(reference(x.numpy(), axis=-1)) @ linear.weight.T
     torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-5)
 
-    static = tiny_llama()
+    static = tiny_llama(attn="sdpa")
     scheme = QuantConfig(name="a3s", method="rtn",
                          activations=TensorQuantConfig(format=toy_format, granularity="tensor", dynamic=False))
     with pytest.raises(SchemeError, match="calibration"):
@@ -125,7 +116,7 @@ def test_a_registered_format_quantizes_the_kv_cache(toy_format):
     np.testing.assert_allclose(fake_quantize_kv(x, head).numpy(), reference(x.numpy(), axis=(2, 3)),
                                rtol=1e-6, atol=1e-7)
 
-    model = tiny_llama()
+    model = tiny_llama(attn="sdpa")
     static = TensorQuantConfig(format=toy_format, granularity="tensor", dynamic=False)
     cfg = KVCacheQuantConfig(keys=static, values=static)
     install_kv_quant(model, cfg, Batches([ids(3)]))

@@ -4,31 +4,26 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
-from transformers import LlamaConfig, LlamaForCausalLM
 
-import harness.quant.awq  # noqa: F401  (registers "awq" until harness.quant imports it)
 from harness import quant
 from harness.infra.cache import Cache
-from harness.config import GPTQConfig, QuantConfig, TensorQuantConfig, compose
+from harness.config import QuantConfig, TensorQuantConfig, compose
 from harness.quant import gptq
-from harness.quant.base import QuantReport, validate_scheme
+from harness.quant import QuantReport, validate_scheme
 from harness.quant.calibrated_cache import calibrated_key
-from harness.quant.gptq import HessianAccumulator, gptq_quantize_weight, quantize_gptq
+from harness.quant.gptq import GPTQSettings, HessianAccumulator, gptq_quantize_weight, quantize_gptq
 from harness.quant.format_table import fake_quantize
+from tiny_models import tiny_llama
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 SPECS = {
@@ -120,7 +115,7 @@ def test_stacked_solve_of_a_shared_input_group_equals_separate_solves(name: str,
     modules = [torch.nn.Linear(128, rows, bias=False) for rows in (48, 16, 16)]
     for module in modules:
         module.weight.data = torch.randn(module.out_features, 128, generator=generator)
-    settings = GPTQConfig(act_order=act_order)
+    settings = GPTQSettings(act_order=act_order)
     solved = gptq._solve_stage("b", ["q", "k", "v"], modules, hessian, SPECS[name], settings)
     assert [full for full, _, _ in solved] == ["b.q", "b.k", "b.v"]
     for (_, module, result) in solved:
@@ -134,7 +129,7 @@ def test_per_tensor_grids_are_solved_one_linear_at_a_time() -> None:
     spec = TensorQuantConfig(format="int", bits=4, symmetric=True, granularity="tensor")
     modules = [torch.nn.Linear(128, 32, bias=False) for _ in range(2)]
     modules[1].weight.data *= 10  # a stacked per-tensor grid would coarsen the first weight's
-    solved = gptq._solve_stage("b", ["gate", "up"], modules, hessian, spec, GPTQConfig())
+    solved = gptq._solve_stage("b", ["gate", "up"], modules, hessian, spec, GPTQSettings())
     for (_, module, result) in solved:
         alone = gptq_quantize_weight(module.weight.data, hessian, spec)
         assert torch.equal(result.quantized, alone.quantized)
@@ -167,11 +162,7 @@ def test_non_finite_hessian_is_an_error() -> None:
 
 
 # --------------------------------------------------------------------------------- whole model
-def _tiny_model(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    return LlamaForCausalLM(config).eval()
+llama = partial(tiny_llama, vocab_size=128, max_position_embeddings=128)
 
 
 def _tokens(n: int = 16, length: int = 32, seed: int = 0) -> torch.Tensor:
@@ -180,7 +171,7 @@ def _tokens(n: int = 16, length: int = 32, seed: int = 0) -> torch.Tensor:
 
 def _scheme(method: str = "gptq", **gptq_settings) -> QuantConfig:
     return QuantConfig(name=f"{method}_test", method=method, weights=SPECS["sym_g32"],
-                       gptq=GPTQConfig(**gptq_settings))
+                       settings=gptq_settings)
 
 
 @dataclass
@@ -203,7 +194,7 @@ class FakeContext:
 
 @torch.no_grad()
 def test_sequential_gptq_quantizes_every_block_linear_and_beats_rtn_on_its_inputs() -> None:
-    model = _tiny_model()
+    model = llama()
     tokens = _tokens()
     reference = copy.deepcopy(model)
     report = QuantReport(scheme="gptq_test", method="gptq")
@@ -223,7 +214,7 @@ def test_each_block_is_fed_by_the_quantized_blocks_before_it(monkeypatch: pytest
     """Block 1's Hessians come from quantized block 0's outputs, not from the full-precision ones."""
     from harness.quant.architectures import LLAMA, capture_block_inputs, make_batches, run_block
 
-    model, tokens = _tiny_model(), _tokens(8)
+    model, tokens = llama(), _tokens(8)
     full_precision = copy.deepcopy(model)
     seen: dict[int, list[torch.Tensor]] = {}
     from harness.quant import architectures as adapters
@@ -247,7 +238,7 @@ def test_each_block_is_fed_by_the_quantized_blocks_before_it(monkeypatch: pytest
 @torch.no_grad()
 def test_apply_uses_and_fills_the_calibrated_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     context = FakeContext(_tokens(), cache=Cache(tmp_path))
-    first = _tiny_model()
+    first = llama()
     report = quant.apply(first, _scheme(), context)
     assert len(report.layers) == 14 and "stored" in report.notes[-1]
 
@@ -255,7 +246,7 @@ def test_apply_uses_and_fills_the_calibrated_cache(tmp_path: Path, monkeypatch: 
         raise AssertionError("calibration ran again despite a cached entry")
 
     monkeypatch.setattr(gptq, "quantize_gptq", fail)
-    second = _tiny_model()
+    second = llama()
     again = quant.apply(second, _scheme(), context)
     assert "loaded" in again.notes[-1]
     assert [l.sqnr_db for l in again.layers] == [l.sqnr_db for l in report.layers]
@@ -289,6 +280,7 @@ def test_presets_compose_and_validate(preset: str) -> None:
     scheme = OmegaConf.to_object(compose([f"quant={preset}"]).quant)
     method, symmetric, act_order = PRESETS[preset]
     assert (scheme.name, scheme.method, scheme.weights.symmetric) == (preset, method, symmetric)
-    assert (scheme.weights.bits, scheme.weights.group_size, scheme.gptq.act_order) == (4, 128, act_order)
+    act_ordered = getattr(quant.method_settings(scheme), "act_order", False)  # AWQ's settings have no act_order
+    assert (scheme.weights.bits, scheme.weights.group_size, act_ordered) == (4, 128, act_order)
     assert (scheme.kv_cache is not None) == preset.endswith("kv8")
     validate_scheme(scheme)

@@ -7,12 +7,13 @@ full-precision window recomputed query by query.
 """
 from __future__ import annotations
 
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
 import torch
 from omegaconf import OmegaConf
-from transformers import AttentionInterface, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+from transformers import AttentionInterface, Gemma3ForCausalLM, Gemma3TextConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -22,6 +23,7 @@ from harness.quant import apply
 from harness.quant.kv import (install_kv_quant, kv_layer_states, kv_quant_mode, remove_kv_quant,
                               validate_kv_cache)
 from harness.quant.format_table import SchemeError
+from tiny_models import tiny_llama
 
 VOCAB = 96
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -44,17 +46,7 @@ FP8_STATIC = KVCacheQuantConfig(keys=spec(format="fp8_e4m3", granularity="tensor
 
 
 # ------------------------------------------------------------------------------------ fixtures
-def tiny_llama(attn: str = "sdpa") -> LlamaForCausalLM:
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.normal_(0.0, 0.15)
-    model.set_attn_implementation(attn)
-    return model
+llama = partial(tiny_llama, vocab_size=VOCAB, std=0.15, attn="sdpa", max_position_embeddings=256)
 
 
 def tiny_gemma3() -> Gemma3ForCausalLM:
@@ -195,7 +187,7 @@ def calibration_context(batches):
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @torch.no_grad()
 def test_disabled_wrapper_reproduces_unwrapped_model_exactly(attn):
-    model = tiny_llama(attn)
+    model = llama(attn=attn)
     ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[0, :3] = 0  # left padding: lost if the wrapper's mask function were not registered
@@ -225,7 +217,7 @@ def test_disabled_wrapper_reproduces_unwrapped_model_exactly(attn):
 @pytest.mark.parametrize("use_cache", [False, True])
 @torch.no_grad()
 def test_one_pass_attention_reads_quantized_post_rope_kv(cfg, key_ref, value_ref, use_cache):
-    model = tiny_llama()
+    model = llama()
     ids = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(1))
     reference = model(ids).logits
     probe = with_probe(model)
@@ -241,7 +233,7 @@ def test_one_pass_attention_reads_quantized_post_rope_kv(cfg, key_ref, value_ref
 
 @torch.no_grad()
 def test_keys_are_quantized_after_rope_not_before():
-    model = tiny_llama()
+    model = llama()
     ids = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(2))
     probe = with_probe(model)
     install_kv_quant(model, KVCacheQuantConfig(keys=spec(granularity="token", **FP8)))
@@ -270,7 +262,7 @@ def test_keys_are_quantized_after_rope_not_before():
 @pytest.mark.parametrize("device", DEVICES)
 @torch.no_grad()
 def test_generation_quantizes_and_matches_one_pass_scoring(cfg, padded, device):
-    model = tiny_llama().to(device)
+    model = llama().to(device)
     ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3)).to(device)
     mask = torch.ones_like(ids)
     if padded:
@@ -296,7 +288,7 @@ def test_generation_quantizes_and_matches_one_pass_scoring(cfg, padded, device):
 def test_left_padding_does_not_change_a_sequences_quantization(cfg):
     """Groups follow real positions (position_ids) and padding stays out of dynamic statistics, so a
     left-padded sequence is quantized exactly as it is alone (lm-eval batching changes nothing)."""
-    model = tiny_llama()
+    model = llama()
     gen = torch.Generator().manual_seed(13)
     seq, other = torch.randint(0, VOCAB, (1, 7), generator=gen), torch.randint(0, VOCAB, (1, 10), generator=gen)
     batch = torch.cat([torch.cat([torch.randint(0, VOCAB, (1, 3), generator=gen), seq], 1), other])
@@ -311,7 +303,7 @@ def test_left_padding_does_not_change_a_sequences_quantization(cfg):
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @torch.no_grad()
 def test_one_pass_recent_window_and_incomplete_group_stay_full_precision(attn):
-    model = tiny_llama(attn)
+    model = llama(attn=attn)
     ids = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(5))
     inputs = {}
     model.model.layers[0].self_attn.o_proj.register_forward_pre_hook(lambda _m, args: inputs.update(o=args[0]))
@@ -335,7 +327,7 @@ def test_one_pass_recent_window_and_incomplete_group_stay_full_precision(attn):
 
 @torch.no_grad()
 def test_generation_step_reads_recent_tokens_in_full_precision():
-    model = tiny_llama()
+    model = llama()
     ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(6))
     probe = with_probe(model)
     install_kv_quant(model, KIVI4)
@@ -354,7 +346,7 @@ def test_generation_step_reads_recent_tokens_in_full_precision():
 
 @torch.no_grad()
 def test_static_scales_are_calibrated_and_used():
-    model = tiny_llama()
+    model = llama()
     batches = [torch.randint(0, VOCAB, (3, 16), generator=torch.Generator().manual_seed(s)) for s in (7, 8)]
     projections = Projections(model)
     for batch in batches:
@@ -423,7 +415,7 @@ def test_nonsensical_kv_schemes_are_refused(cfg, message):
 
 
 def test_static_scheme_without_calibration_data_and_unwrappable_attention_are_refused():
-    model = tiny_llama()
+    model = llama()
     with pytest.raises(SchemeError, match="calibration"):
         install_kv_quant(model, FP8_STATIC, None)
     model.config._attn_implementation_internal = "flex_attention"
@@ -453,10 +445,10 @@ def test_apply_composes_weight_scheme_with_kv_cache():
     scheme = OmegaConf.to_object(compose(["quant=int4_g128_kv8", "quant.weights.group_size=32"]).quant)
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(11))
     context = calibration_context([torch.randint(0, VOCAB, (3, 16), generator=torch.Generator().manual_seed(12))])
-    weight_only = tiny_llama()
+    weight_only = llama()
     weight_only_scheme = OmegaConf.to_object(compose(["quant=int4_g128", "quant.weights.group_size=32"]).quant)
     apply(weight_only, weight_only_scheme, context)
-    model = tiny_llama()
+    model = llama()
     original = model.model.layers[0].self_attn.q_proj.weight.clone()
     report = apply(model, scheme, context)
     assert report.layers and not torch.equal(model.model.layers[0].self_attn.q_proj.weight, original)
@@ -469,7 +461,7 @@ def test_apply_composes_weight_scheme_with_kv_cache():
 
 @torch.no_grad()
 def test_bfloat16_model_keeps_its_dtype_and_stays_finite():
-    model = tiny_llama().to(torch.bfloat16)
+    model = llama().to(torch.bfloat16)
     probe = with_probe(model)
     install_kv_quant(model, KIVI4)
     ids = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(14))

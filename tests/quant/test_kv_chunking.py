@@ -5,24 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from harness.config import KVCacheQuantConfig, TensorQuantConfig
 from harness.quant import kv
 from harness.quant.kv import install_kv_quant
+from tiny_models import tiny_llama
 
 KIVI4 = KVCacheQuantConfig(keys=TensorQuantConfig(format="int", bits=4, symmetric=False, granularity="channel"),
                            values=TensorQuantConfig(format="int", bits=4, symmetric=False, granularity="token"),
                            group_tokens=32, residual_length=32)
-
-
-def _model(attn: str) -> LlamaForCausalLM:
-    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    model.set_attn_implementation(attn)
-    return model
 
 
 @pytest.mark.slow
@@ -35,7 +26,8 @@ def test_long_prefill_masks_are_built_per_query_chunk_with_identical_results(mon
     mask = torch.ones_like(ids)
     if padded:
         mask[0, :100] = 0
-    model = _model(attn)
+    model = tiny_llama(vocab_size=97, hidden_size=32, layers=1, heads=2, kv_heads=1, attn=attn,
+                       max_position_embeddings=4096)
     install_kv_quant(model, KIVI4)
     spans: list[int] = []
     original = kv.full_precision_masks

@@ -1,7 +1,10 @@
-"""Method specs: traits the harness asks instead of method names; a method added from one module + one YAML."""
+"""Method specs: traits the harness asks instead of method names; a method added as CONTRIBUTING.md says, from one
+module and one scheme YAML, runs a job and exports."""
 from __future__ import annotations
 
+import json
 import math
+import re
 import sys
 import textwrap
 
@@ -13,8 +16,8 @@ from omegaconf import OmegaConf
 
 from harness import quant
 from harness.config import QuantConfig, compose
-from harness.quant.base import unregister_method
-from harness.quant.format_table import SchemeError
+from harness.errors import UsageError
+from harness.quant import SchemeError, unregister_method
 from tests.conftest import TINY_MATH
 
 
@@ -37,10 +40,8 @@ def test_calibration_passes_follow_the_scheme_not_the_method_name(preset, passes
 
 @pytest.mark.slow
 def test_a_missing_calibration_context_is_refused_before_any_weight_changes():
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    from tiny_models import tiny_llama
+    model = tiny_llama(hidden_size=128, layers=1)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     for preset in ("fp8_static", "kv8", "gptq_w4g128", "int8_w8a8_sq"):
         with pytest.raises(SchemeError, match="needs calibration data"):
@@ -51,14 +52,23 @@ def test_a_missing_calibration_context_is_refused_before_any_weight_changes():
 
 @pytest.mark.slow
 def test_settings_and_plugins_are_checked_with_the_reason():
-    with pytest.raises(SchemeError, match="quant.gptq"):
+    with pytest.raises(SchemeError, match=r"quant.settings for method gptq: .*damp.*its settings are \['damp_percent'"):
         quant.validate_scheme(scheme_of("quant=gptq_w4g128", "+quant.settings.damp=0.1"))
     with pytest.raises(SchemeError, match="takes no settings"):
         quant.validate_scheme(scheme_of("quant=int8", "+quant.settings.alpha=0.1"))
     with pytest.raises(SchemeError, match="cannot import 'no_such_plugin_module'"):
         quant.validate_scheme(scheme_of("quant=int8", "quant.plugins=[no_such_plugin_module]"))
     with pytest.raises(SchemeError, match="alpha=1.5"):  # a spec's own check runs at config time
-        quant.validate_scheme(scheme_of("quant=int8_w8a8_sq", "quant.smoothquant.alpha=1.5"))
+        quant.validate_scheme(scheme_of("quant=int8_w8a8_sq", "quant.settings.alpha=1.5"))
+    assert quant.method_settings(scheme_of("quant=gptq_w4g128", "quant.settings.damp_percent=0.1")).damp_percent == 0.1
+
+
+def test_the_former_method_sections_are_refused_naming_the_new_key():
+    for old, new in (("quant.gptq.damp_percent=0.1", "quant.settings.damp_percent"),
+                     ("quant.awq.grid=10", "quant.settings.grid"),
+                     ("quant.smoothquant.alpha=0.8", "quant.settings.alpha")):
+        with pytest.raises(UsageError, match=rf"^{re.escape(old.split('=')[0])} moved: .*; use {re.escape(new)}$"):
+            compose(["model=tiny_random", "quant=gptq_w4g128", old])
 
 
 @pytest.mark.slow
@@ -75,14 +85,17 @@ def test_plan_counts_calibration_of_static_scales_under_rtn(tmp_path, cache_dir)
     assert by_scheme["kv8"].estimated_s - by_scheme["int4_g128"].estimated_s == pytest.approx(16 * 512 / 1000.0)
 
 
+# CONTRIBUTING.md, "A quantization method", followed to the letter: one module that calls
+# harness.quant.register_method (its settings dataclass beside it), then one scheme YAML that lists the module in
+# plugins: and puts the method's settings under settings:.
 TOY_METHOD = '''
 """A toy calibrated method: clip each weight row at a fraction of its maximum, then round to nearest."""
 from dataclasses import dataclass
 
 import torch
 
-from harness.quant import fake_quantize, method_settings, register_method, target_linears
-from harness.quant.base import bits_for
+from harness.quant import (COMPRESSED_TENSORS, bits_for, fake_quantize, method_settings, register_method,
+                           target_linears)
 
 
 @dataclass
@@ -90,7 +103,8 @@ class ClipSettings:
     fraction: float = 0.9  # rows are clipped at fraction * max|row| before rounding
 
 
-@register_method("toy_clip", settings=ClipSettings, needs=("batches",), cacheable=True, weight_formats=("int",))
+@register_method("toy_clip", settings=ClipSettings, needs=("batches",), cacheable=True, weight_formats=("int",),
+                 exports=(COMPRESSED_TENSORS,))
 @torch.no_grad()
 def toy_clip(model, scheme, context, report):
     settings = method_settings(scheme)
@@ -119,6 +133,7 @@ calibration: {num_samples: 4, seq_len: 64}
 
 @pytest.fixture
 def toy_method(tmp_path, monkeypatch):
+    """The recipe's two files in tmp_path: the module on the import path, the YAML on Hydra's search path."""
     (tmp_path / "toy_clip_method.py").write_text(textwrap.dedent(TOY_METHOD))
     (tmp_path / "conf" / "quant").mkdir(parents=True)
     (tmp_path / "conf" / "quant" / "toy_clip.yaml").write_text(TOY_YAML)
@@ -129,9 +144,11 @@ def toy_method(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_method_from_one_module_and_one_yaml_runs_end_to_end(toy_method, make_cfg, tmp_path, cache_dir):
-    from harness.models import loading as models
+def test_a_method_added_as_contributing_says_runs_a_job_and_exports(toy_method, make_cfg, tmp_path, cache_dir):
+    from harness.checkpoint import export as export_mod
     from harness.job import pipeline as run_mod
+    from harness.models import loading as models
+    from harness.sizing.report_quant import prepare
 
     with pytest.raises(SchemeError, match="fraction"):  # its settings are checked against its dataclass
         quant.validate_scheme(scheme_of(toy_method, "quant=toy_clip", "quant.settings.fraction=lots"))
@@ -151,6 +168,17 @@ def test_a_method_from_one_module_and_one_yaml_runs_end_to_end(toy_method, make_
     expected = 10 * math.log10((w ** 2).sum() / ((w - q) ** 2).sum())
     assert layers.loc[name, "sqnr_db"] == pytest.approx(expected, abs=0.01)
     assert len(layers) == 14
+    # Its registration says its weights map to compressed-tensors: the export writes them (as python -m
+    # harness.export does, from the job's calibrated-weight cache entry) and reads back the harness's weights exactly.
+    prepared = prepare(OmegaConf.to_object(make_cfg(*TINY_MATH, toy_method, "quant=toy_clip")))
+    report = quant.apply(prepared.loaded.model, prepared.scheme, prepared.context)
+    assert any("loaded from cache" in note for note in report.notes)
+    targets, kept = quant.target_linears(prepared.loaded.model, prepared.scheme)
+    written = export_mod.export(prepared.loaded.model, None, prepared.scheme, tmp_path / "export", targets=targets,
+                                kept=kept)
+    assert len(written.quantized) == 14 and written.max_abs_weight_error == 0
+    qconfig = json.loads((tmp_path / "export" / "config.json").read_text())["quantization_config"]
+    assert qconfig["format"] == "pack-quantized" and qconfig["config_groups"]["group_0"]["weights"]["group_size"] == 128
 
 
 def test_toy_method_settings_shape_its_calibrated_cache_key(toy_method):
@@ -163,3 +191,4 @@ def test_toy_method_settings_shape_its_calibrated_cache_key(toy_method):
     assert calibrated_key("m", base, "h") in keys and len(keys) == 2
     assert quant.method_settings(base).fraction == 0.75
     assert quant.get_method("toy_clip").calibrated and quant.get_method("rtn").needs == frozenset()
+    assert quant.get_method("toy_clip").exports == {quant.COMPRESSED_TENSORS}

@@ -10,7 +10,6 @@ from omegaconf import OmegaConf
 
 from harness import quant
 from harness.config import CONF_DIR, QuantConfig, compose
-from harness.quant import smoothquant  # noqa: F401  (registers "smoothquant")
 from harness.quant.format_table import SchemeError
 
 # Presets of the other methods need their modules registered (harness.quant.__init__ does it once wired).
@@ -32,11 +31,10 @@ def scheme_of(*overrides: str) -> QuantConfig:
 def tiny_meta_model():
     """The tiny model's shapes on the meta device: validation needs shapes, not weights."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+
+    from tiny_models import tiny_llama
     with torch.device("meta"):
-        return LlamaForCausalLM(config)
+        return tiny_llama(vocab_size=1024, hidden_size=128, seed=None)
 
 
 def test_required_presets_exist():
@@ -75,7 +73,7 @@ def test_bits_per_weight_of_presets_on_a_128x128_layer(name, bits):
     scheme = scheme_of(f"quant={name}")
     # NVFP4's fp32 tensor scale adds 32 bits per matrix.
     extra = 32 / 128 ** 2 if name == "nvfp4" else 0.0
-    assert quant.base.bits_for(scheme, layer) == pytest.approx(bits + extra)
+    assert quant.bits_for(scheme, layer) == pytest.approx(bits + extra)
 
 
 # ----------------------------------------------------------------------------------- bad input

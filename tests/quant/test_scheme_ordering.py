@@ -20,15 +20,6 @@ SCHEMES = ["int8", "fp8_w8a16", "fp8", "int4_g128", "int4"]
 
 
 @pytest.fixture(scope="module")
-def one_thread():
-    """One torch thread: several times faster than two when the machine's cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
 def kl_by_scheme(one_thread) -> dict[str, float]:
     cache_dir = os.path.expanduser(os.environ.get("HARNESS_CACHE_DIR", "~/.cache/quant-harness"))
     loaded = models.load(load_model_config("smollm2_135m"), cache_dir)

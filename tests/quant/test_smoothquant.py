@@ -3,16 +3,17 @@ the balance property s makes, and that it helps INT8 W8A8 on a model with activa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 from harness import quant
-from harness.config import QuantConfig, SmoothQuantConfig, TensorQuantConfig
-from harness.quant import smoothquant  # noqa: F401  (registers "smoothquant")
+from harness.config import QuantConfig, TensorQuantConfig
 from harness.quant.smoothquant import collect_input_maxima, smooth_groups, smoothing_scales
 from harness.quant.format_table import SchemeError
+from tiny_models import tiny_llama
 
 VOCAB = 256
 
@@ -27,19 +28,8 @@ class TokenContext:
         return self.batches
 
 
-def tiny_llama(seed: int = 0) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() == 2:
-                param.normal_(0.0, 0.08)
-            elif "norm" in name:  # non-trivial norm weights so the fold is exercised
-                param.uniform_(0.5, 1.5)
-    return model
+# non-trivial norm weights so the fold is exercised
+llama = partial(tiny_llama, vocab_size=VOCAB, hidden_size=128, std=0.08, norm_range=(0.5, 1.5))
 
 
 def tiny_gemma3(seed: int = 0) -> torch.nn.Module:
@@ -64,7 +54,7 @@ def scheme(method: str = "smoothquant", *, w8a8: bool = False, alpha: float = 0.
     weights = TensorQuantConfig(format="int", bits=8, granularity="channel") if w8a8 else None
     activations = TensorQuantConfig(format="int", bits=8, granularity="token") if w8a8 else None
     return QuantConfig(name="sq", method=method, weights=weights, activations=activations,
-                       smoothquant=SmoothQuantConfig(alpha=alpha))
+                       settings={"alpha": alpha} if method == "smoothquant" else {})
 
 
 @torch.no_grad()
@@ -84,7 +74,7 @@ def test_scales_match_hand_computed_values():
 
 
 def test_groups_are_the_norm_fed_ones():
-    groups = smooth_groups(tiny_llama())
+    groups = smooth_groups(llama())
     assert [g.norm for g in groups[:2]] == ["model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm"]
     assert groups[0].linears == tuple(f"model.layers.0.self_attn.{p}_proj" for p in "qkv")
     assert groups[1].linears == ("model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj")
@@ -93,7 +83,7 @@ def test_groups_are_the_norm_fed_ones():
     assert gemma[1].norm == "model.layers.0.pre_feedforward_layernorm"  # not post_attention_layernorm
 
 
-@pytest.mark.parametrize("build", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
+@pytest.mark.parametrize("build", [llama, tiny_gemma3], ids=["llama", "gemma3"])
 def test_smoothing_without_quantization_leaves_logits_unchanged(build):
     model = build()
     tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(7))
@@ -115,7 +105,7 @@ def test_smoothing_without_quantization_leaves_logits_unchanged(build):
 def test_smoothing_balances_activation_and_weight_maxima(alpha):
     """With a = max|X_j|, w = max|W_:,j| and s = a^alpha / w^(1-alpha), the smoothed model has
     max|X'_j| = a / s = a^(1-alpha) w^(1-alpha) and max|W'_:,j| = w s = a^alpha w^alpha (equal at 0.5)."""
-    model = tiny_llama()
+    model = llama()
     calibration = batches()
     groups = smooth_groups(model)
     act = collect_input_maxima(model, groups, calibration)
@@ -141,11 +131,11 @@ def _with_activation_outliers(model: torch.nn.Module) -> torch.nn.Module:
 
 def test_smoothquant_beats_plain_int8_w8a8_on_outlier_activations():
     tokens = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(3))
-    reference = _with_activation_outliers(tiny_llama())
+    reference = _with_activation_outliers(llama())
     target = logits(reference, tokens)
     errors = {}
     for method in ("rtn", "smoothquant"):
-        model = _with_activation_outliers(tiny_llama())
+        model = _with_activation_outliers(llama())
         report = quant.apply(model, scheme(method, w8a8=True), TokenContext(batches()))
         assert len(report.layers) == 14  # 7 linears x 2 blocks; lm_head kept
         errors[method] = (logits(model, tokens) - target).pow(2).mean().item()
@@ -155,12 +145,12 @@ def test_smoothquant_beats_plain_int8_w8a8_on_outlier_activations():
 def test_scheme_preset_composes_with_smoothquant_method():
     from harness.config import compose
     cfg = OmegaConf.to_object(compose(["model=tiny_random", "quant=int8_w8a8_sq"]))
-    assert cfg.quant.method == "smoothquant" and cfg.quant.smoothquant.alpha == 0.5
+    assert cfg.quant.method == "smoothquant" and cfg.quant.settings == {"alpha": 0.5}
     quant.validate_scheme(cfg.quant)
 
 
 def test_bad_alpha_and_missing_calibration_are_refused():
     with pytest.raises(SchemeError, match="alpha=1.5"):
-        quant.apply(tiny_llama(), scheme(alpha=1.5), TokenContext(batches()))
+        quant.apply(llama(), scheme(alpha=1.5), TokenContext(batches()))
     with pytest.raises(SchemeError, match="calibration"):
-        quant.apply(tiny_llama(), scheme(), None)
+        quant.apply(llama(), scheme(), None)

@@ -9,7 +9,7 @@ operands to bf16 before a bf16 GEMM; that made 48 % of one layer's outputs diffe
 from __future__ import annotations
 
 import copy
-import os
+from functools import partial
 
 import pytest
 import torch
@@ -19,6 +19,7 @@ from torch import nn
 from harness import quant
 from harness.config import QuantConfig, TensorQuantConfig, compose
 from harness.quant.linear import ActQuantLinear, Float32Linear
+from tiny_models import tiny_llama
 
 E4M3 = torch.float8_e4m3fn
 VOCAB = 256
@@ -56,17 +57,7 @@ def preset(name: str) -> QuantConfig:
     return quant.with_model_defaults(cfg.quant, False)
 
 
-def tiny_llama(dtype: torch.dtype) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.normal_(0.0, 0.08)
-    return model.to(dtype)
+llama = partial(tiny_llama, vocab_size=VOCAB, hidden_size=128, std=0.08)
 
 
 def layer_inputs(dtype: torch.dtype) -> tuple[nn.Linear, torch.Tensor]:
@@ -105,7 +96,7 @@ def test_float32_fp8_linear_is_unchanged_by_the_float32_gemm():
 
 @torch.no_grad()
 def test_bf16_fp8_model_logits_equal_a_scaled_mm_model():
-    model = tiny_llama(torch.bfloat16)
+    model = llama().to(torch.bfloat16)
     real = copy.deepcopy(model)
     for parent in list(real.modules()):
         for name, child in list(parent.named_children()):
@@ -120,7 +111,7 @@ def test_bf16_fp8_model_logits_equal_a_scaled_mm_model():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["fp8", "fp8_block", "int8_w8a8", "nvfp4", "mxfp8"])
 def test_w8a8_targets_of_a_bf16_model_keep_float32_weights(name):
-    model = tiny_llama(torch.bfloat16)
+    model = llama().to(torch.bfloat16)
     quant.apply(model, preset(name), None)
     targets = [m for m in model.modules() if isinstance(m, ActQuantLinear)]
     assert len(targets) == 14 and all(m.weight.dtype == torch.float32 for m in targets)
@@ -132,7 +123,7 @@ def test_w8a8_targets_of_a_bf16_model_keep_float32_weights(name):
 
 def test_weight_only_schemes_keep_the_model_dtype():
     """W8A16 / W4A16 kernels dequantize the weight into the activation dtype: so does the simulation."""
-    model = tiny_llama(torch.bfloat16)
+    model = llama().to(torch.bfloat16)
     quant.apply(model, preset("fp8_w8a16"), None)
     assert all(m.weight.dtype == torch.bfloat16 for m in model.modules() if isinstance(m, nn.Linear))
     assert not any(isinstance(m, Float32Linear) for m in model.modules())
@@ -145,7 +136,7 @@ def test_bf16_fp8_static_calibrates_and_equals_a_tensorwise_scaled_mm():
             generator = torch.Generator().manual_seed(2)
             return [torch.randint(0, VOCAB, (4, 32), generator=generator) for _ in range(2)]
 
-    model = tiny_llama(torch.bfloat16)
+    model = llama().to(torch.bfloat16)
     originals = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     quant.apply(model, preset("fp8_static"), Context())
     name, module = next((n, m) for n, m in model.named_modules() if isinstance(m, ActQuantLinear))
@@ -158,6 +149,7 @@ def test_bf16_fp8_static_calibrates_and_equals_a_tensorwise_scaled_mm():
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
 def test_smollm2_bf16_fp8_kl_equals_the_real_fp8_gemm(make_cfg):
     """SmolLM2-135M in bf16, the math slice's 16 divergence texts (236 tokens): the harness's FP8 W8A8
     KL equals that of the same model run through torch._scaled_mm, within 15 % (two implementations of
@@ -167,8 +159,6 @@ def test_smollm2_bf16_fp8_kl_equals_the_real_fp8_gemm(make_cfg):
     from harness.job import identity
     from harness.models import loading as models
     from harness.evaluation.slices import resolve
-    if os.environ.get("OMP_NUM_THREADS") is None:
-        torch.set_num_threads(1)
     cfg = identity.to_config(make_cfg("model=smollm2_135m", "model.dtype=bfloat16", "slices=[math]", "quant=fp8"))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)
     slice_ = resolve(cfg.slices)[0]

@@ -1,9 +1,9 @@
-"""A candidate answered by a serving engine: any OpenAI-compatible ``/v1/completions`` endpoint.
+"""The ``openai`` engine: any OpenAI-compatible ``/v1/completions`` server, reached at its URL.
 
 ``candidate.endpoint=<url>`` evaluates whatever that server serves (vLLM, SGLang, TensorRT-LLM,
 llama.cpp's server, ...) as the candidate; ``candidate.serve="<command with {port}>"`` starts the
-server first (:class:`harness.checkpoint.served.ServedProcess`: a free loopback port, wait for health,
-stop at the end; :class:`Client` asks any such ``server`` how it ended when a request fails). The
+server first (the ``vllm-serve`` engine, :mod:`harness.engines.vllm_serve`: a free loopback port, wait for
+health, stop at the end; :class:`Client` asks any such ``server`` how it ended when a request fails). The
 items, the prompts and the per-item records are lm-eval's, exactly as for a simulated candidate:
 :class:`EndpointLM` is an lm-eval ``LM`` whose prompts are built by the *reference's own* lm-eval
 wrapper (its ``tok_encode``, ``tok_batch_encode`` and chat template, the "twin"), and only the
@@ -35,149 +35,24 @@ and is only ever put in the ``Authorization`` header: no attribute, message or l
 from __future__ import annotations
 
 import functools
-import json
-import logging
-import os
 import re
-import socket
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from harness.config import CandidateConfig
 from harness.divergence.topk_bound import NoPromptLogprobs, ServedLogprobs
-from harness.errors import UserError
-
-log = logging.getLogger(__name__)
+from harness.engines.base import Capabilities, ServedEngine, ServedModel
+from harness.engines.openai_http import Client, EndpointError, EndpointSpec, Server, healthy
+from harness.engines.registry import register_engine
 
 # Checked once per connection (chat template, accents, CJK, an emoji, digits, code): a server with another
 # tokenizer echoes other tokens for it.
 PROBE_TEXT = "Quelle est la capitale de la France ? Ünïcödé → 東京タワー 😀 12345 `def f(x): return x**2`"
 TOKEN_ID = re.compile(r"^token_id:(\d+)$")  # vLLM's return_tokens_as_token_ids form
-
-
-class EndpointError(UserError, RuntimeError):
-    """A server that cannot answer, or answers for another model; one line, with the fix."""
-
-    http_status: int | None = None  # the HTTP status of a refused request (None: no HTTP answer)
-    detail: str = ""  # the server's own message for that refusal
-
-
-@dataclass(frozen=True)
-class EndpointSpec:
-    """Where the candidate is served and how to talk to it (``candidate.endpoint*`` in the config)."""
-
-    url: str  # base URL, with or without /v1: http://127.0.0.1:8000
-    model: str | None = None  # the served model's name; None: the server's only model
-    api_key_env: str | None = None  # NAME of the environment variable holding the key (never the key)
-    timeout_s: float = 600.0  # one request; longer counts as a hung server
-    batch_size: int = 8  # prompts per log-likelihood request
-    concurrency: int = 1  # generation requests in flight at once (the engine batches them)
-    top_logprobs: int = 1  # k asked for per prompt token (1 decides greedy; vLLM allows up to 20)
-
-
-def redact_url(url: str) -> str:
-    """``url`` without any user:password part (a URL is logged; credentials must not be)."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.username or parts.password:
-        host = parts.hostname or ""
-        netloc = host + (f":{parts.port}" if parts.port else "")
-        return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
-    return url
-
-
-def _v1(url: str) -> str:
-    base = url.rstrip("/")
-    return base if base.endswith("/v1") else base + "/v1"
-
-
-def scrub(text: str, secret_env: str | None) -> str:
-    """``text`` with the value of the environment variable ``secret_env`` (an API key) replaced by ***."""
-    secret = os.environ.get(secret_env) if secret_env else None
-    return text.replace(secret, "***") if secret else text
-
-
-# --------------------------------------------------------------------------- HTTP
-class Client:
-    """``/v1/models`` and ``/v1/completions`` over HTTP (standard library only), errors as one line."""
-
-    def __init__(self, spec: EndpointSpec, server: Any = None):  # a ServedProcess: exit_line(), tail()
-        self.spec, self.server = spec, server
-        self.base = _v1(spec.url)
-        self.model = spec.model
-        self.requests = 0
-
-    def _headers(self) -> dict[str, str]:
-        headers = {"Content-Type": "application/json"}
-        if self.spec.api_key_env:
-            key = os.environ.get(self.spec.api_key_env)
-            if not key:
-                raise EndpointError(f"candidate.endpoint_api_key_env={self.spec.api_key_env}: that environment "
-                                    "variable is not set; export it with the server's API key")
-            headers["Authorization"] = f"Bearer {key}"
-        return headers
-
-    def _fail(self, what: str) -> EndpointError:
-        ended = self.server.exit_line() if self.server else None
-        where = redact_url(self.base)
-        tail = f"; last log lines: {self.server.tail()}" if self.server and not ended else ""
-        text = f"candidate endpoint {where}: {ended or what}{tail}. Items answered so far are kept: the same " \
-               "command resumes from them"
-        return EndpointError(scrub(text.replace("\n", " "), self.spec.api_key_env))
-
-    def call(self, path: str, body: dict | None = None) -> dict:
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.base + path, data=data, headers=self._headers(),
-                                         method="GET" if body is None else "POST")
-        self.requests += 1
-        try:
-            with urllib.request.urlopen(request, timeout=self.spec.timeout_s) as response:
-                return json.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            detail = exc.read().decode(errors="replace")[:300]
-            try:
-                detail = json.loads(detail).get("error", {}).get("message", detail) if detail else detail
-            except (ValueError, AttributeError):
-                pass
-            hint = " (a wrong or missing API key: set candidate.endpoint_api_key_env)" if exc.code in (401, 403) \
-                else ""
-            error = self._fail(f"HTTP {exc.code} on {path}{hint}: {detail}")
-            error.http_status, error.detail = exc.code, scrub(str(detail), self.spec.api_key_env)
-            raise error from None
-        except (TimeoutError, socket.timeout):
-            raise self._fail(f"no reply to {path} within {self.spec.timeout_s:.0f} s (a hung server; "
-                             "candidate.endpoint_timeout_s sets the limit)") from None
-        except urllib.error.URLError as exc:
-            reason = getattr(exc.reason, "strerror", None) or str(exc.reason)
-            raise self._fail(f"cannot reach the server ({reason}); check the URL and that it is serving") from None
-        except (ConnectionError, OSError) as exc:
-            raise self._fail(f"the connection failed ({exc.__class__.__name__}: {exc})") from None
-        except ValueError:
-            raise self._fail(f"{path} answered with something that is not JSON") from None
-
-    def connect(self) -> dict:
-        """The served model's entry from ``/v1/models``; fixes :attr:`model` when the spec left it open."""
-        listed = self.call("/models").get("data") or []
-        names = [str(entry.get("id")) for entry in listed]
-        if self.model is None:
-            if len(names) != 1:
-                raise EndpointError(f"candidate endpoint {redact_url(self.base)} serves {names or 'no models'}: "
-                                    "name one with candidate.endpoint_model=<id>")
-            self.model = names[0]
-        elif self.model not in names:
-            raise EndpointError(f"candidate.endpoint_model={self.model!r} is not served at "
-                                f"{redact_url(self.base)}; it serves {names}")
-        return next(entry for entry in listed if str(entry.get("id")) == self.model)
-
-    def complete(self, **body: Any) -> list[dict]:
-        """One ``/v1/completions`` call; its choices in prompt order."""
-        answer = self.call("/completions", {"model": self.model, **body})
-        choices = sorted(answer.get("choices") or [], key=lambda c: c.get("index", 0))
-        return choices
 
 
 # --------------------------------------------------------------------------- the token check
@@ -301,15 +176,15 @@ def teacher_forced(client: Client, texts: list[list[int]], k: int, tokenizer: An
 
 
 # --------------------------------------------------------------------------- the lm-eval model
-def endpoint_lm(spec: EndpointSpec, twin: Any, server: Any = None) -> Any:
-    """An lm-eval ``LM`` answering through ``spec``'s server, with ``twin``'s prompts and tokens.
+def endpoint_lm(client: Client, twin: Any) -> Any:
+    """An lm-eval ``LM`` answering through ``client``'s server (connected here unless it is), with ``twin``'s
+    prompts and tokens.
 
     ``twin`` is the reference's own lm-eval wrapper (``harness.evaluation.evaluate.make_lm`` on the
     reference): its tokenization, truncation and chat template make the prompts, so they are the
     reference's exactly; its model is never called. The server's tokenizer is probed once here.
     """
-    client = Client(spec, server)
-    served = client.connect()
+    served = client.served or client.connect()
     lm = _endpoint_lm_class()(client, twin, served)
     lm.probe()
     return lm
@@ -570,3 +445,74 @@ def _after_tokens(choice: dict, n_prompt: int) -> str:
     offsets = logprobs.get("text_offset") or []
     text = str(choice.get("text") or "")
     return text[offsets[n_prompt]:] if len(offsets) > n_prompt else ""
+
+
+# --------------------------------------------------------------------------- the engine
+class OpenAIEndpoint(ServedEngine):
+    """``candidate.endpoint``: a running OpenAI-compatible server, reached at its URL (see the module)."""
+
+    capabilities = Capabilities(generate=True, loglikelihood=True, prompt_logprobs=True, top_k=None,
+                                starts_server=False)
+
+    def __init__(self, cfg: CandidateConfig, results_dir: Path) -> None:
+        super().__init__(cfg, results_dir)
+        self.client: Client | None = None  # connected by start()
+        self.answering: Any = None  # the lm-eval model lm() made: it counts the items' tokens and seconds
+        self.forced_tokens, self.forced_seconds = 0, 0.0  # what prompt_logprobs() sent, and its time
+
+    @classmethod
+    def serves(cls, cfg: CandidateConfig) -> bool:
+        return bool(cfg.endpoint)
+
+    @property
+    def url(self) -> str:
+        """The server's base URL."""
+        return str(self.cfg.endpoint)
+
+    @property
+    def server(self) -> Server | None:
+        """The server the harness started, asked how it ended when a request fails (None: not started here)."""
+        return None
+
+    def start(self) -> OpenAIEndpoint:
+        """Connect: the served model's ``/v1/models`` entry (its name, context length and checkpoint directory)."""
+        spec = EndpointSpec(url=self.url, model=self.cfg.endpoint_model, api_key_env=self.cfg.endpoint_api_key_env,
+                            timeout_s=self.cfg.endpoint_timeout_s, batch_size=self.cfg.endpoint_batch_size,
+                            concurrency=self.cfg.endpoint_concurrency)
+        self.client = Client(spec, self.server)
+        served = self.client.connect()
+        limit, root = served.get("max_model_len"), served.get("root")
+        self.model = ServedModel(str(self.client.model), int(limit) if limit else None, str(root) if root else None)
+        return self
+
+    def healthy(self) -> bool:
+        return healthy(self.url)
+
+    def lm(self, twin: Any) -> Any:
+        self.answering = endpoint_lm(self._client(), twin)
+        return self.answering
+
+    def prompt_logprobs(self, texts: list[list[int]], k: int, tokenizer: Any) -> list[ServedLogprobs]:
+        """:func:`teacher_forced` on this server."""
+        start = time.perf_counter()
+        try:
+            served = teacher_forced(self._client(), texts, k, tokenizer, batch_size=self.cfg.endpoint_batch_size)
+        finally:
+            self.forced_seconds += time.perf_counter() - start
+        self.forced_tokens += sum(len(ids) for ids in texts)
+        return served
+
+    def usage(self) -> dict[str, float]:
+        lm = self.answering
+        prompt, generated, seconds = (lm.prompt_tokens, lm.generated_tokens, lm.seconds) if lm else (0, 0, 0.0)
+        return {"requests": self.client.requests if self.client else 0,
+                "prompt_tokens": prompt + self.forced_tokens, "generated_tokens": generated,
+                "seconds": round(seconds + self.forced_seconds, 3)}
+
+    def _client(self) -> Client:
+        if self.client is None:
+            raise RuntimeError(f"{type(self).__name__}.start() was not called")
+        return self.client
+
+
+register_engine("openai", OpenAIEndpoint)

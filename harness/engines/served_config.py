@@ -1,7 +1,7 @@
 """The served candidate's settings (``candidate.endpoint`` / ``candidate.serve``), checked before any work.
 
-Apart from :mod:`harness.checkpoint.served` so that :mod:`harness.checkpoint.candidate` can refuse a
-contradictory candidate config, and name a served one, without importing the server side.
+:mod:`harness.checkpoint.candidate` refuses a contradictory candidate config with :func:`check_config`,
+and names a served one with :func:`served_name`, before any engine is built.
 """
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import urllib.parse
 from pathlib import Path
 
 from harness.config import CandidateConfig
+from harness.engines.openai_http import redact_url
 from harness.errors import UsageError
-from harness.evaluation.endpoint import redact_url
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 

@@ -39,7 +39,8 @@ from harness import cli
 from harness.evaluation import evaluate
 from harness.models import loading as models
 from harness.config import REPO_DIR
-from harness.job.identity import eval_settings, to_config, tokenizer_dir
+from harness.job.identity import eval_settings, tokenizer_dir
+from harness.config import to_config
 from harness.evaluation.slices import Slice, resolve
 
 OUT = REPO_DIR / "benchmarks" / "results" / "eval_speed.json"

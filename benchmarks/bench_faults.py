@@ -158,7 +158,8 @@ def reference_key_of(args: list[str]) -> str:
     sys.path.insert(0, str(REPO))
     from harness.models import loading as models
     from harness.config import compose
-    from harness.job.identity import ReferenceSpec, reference_key, to_config
+    from harness.job.identity import ReferenceSpec, reference_key
+    from harness.config import to_config
     from harness.evaluation.slices import resolve
 
     cfg = to_config(compose(args))

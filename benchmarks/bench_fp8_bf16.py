@@ -35,7 +35,9 @@ from harness.divergence import scoring as divergence
 from harness.models import loading as models
 from harness.infra.cache import Cache
 from harness.config import REPO_DIR, compose
-from harness.job.identity import divergence_texts, eval_settings, to_config, tokenizer_dir
+from harness.job.identity import eval_settings, tokenizer_dir
+from harness.job.divergence_texts import divergence_texts
+from harness.config import to_config
 from harness.quant.calibration import CalibrationContext, offline_corpus
 from harness.evaluation.slices import resolve
 

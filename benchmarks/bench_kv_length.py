@@ -34,7 +34,7 @@ from harness.models import loading as models
 from harness.results import report
 from harness.divergence import token_stats
 from harness.config import REPO_DIR, compose
-from harness.job.identity import to_config
+from harness.config import to_config
 from harness.sizing.report_quant import prepare
 from harness.results.summary import Comparison
 

@@ -61,7 +61,7 @@ from harness.divergence.router import (
     num_experts,
     routing_summary,
 )
-from harness.job.identity import to_config
+from harness.config import to_config
 from harness.quant import gptq as gptq_module
 from harness.quant.experts import find_fused_experts, fuse_experts, unfuse_experts
 from harness.quant.format_table import SchemeError

@@ -28,7 +28,9 @@ from harness import quant
 from harness.divergence import scoring as divergence
 from harness.models import loading as models
 from harness.config import REPO_DIR, compose, load_model_config
-from harness.job.identity import divergence_texts, eval_settings, to_config, tokenizer_dir
+from harness.job.identity import eval_settings, tokenizer_dir
+from harness.job.divergence_texts import divergence_texts
+from harness.config import to_config
 from harness.evaluation.slices import resolve
 
 BYTES_PER_LOGPROB = 4  # float32, as score_reference stores them

@@ -32,14 +32,9 @@ from harness.divergence import scoring as divergence
 from harness.divergence.topk_bound import partition_kl
 from harness.evaluation import evaluate
 from harness.evaluation.slices import resolve
-from harness.job.identity import (
-    ReferenceSpec,
-    eval_settings,
-    max_divergence_tokens,
-    served_texts,
-    to_config,
-    tokenizer_dir,
-)
+from harness.job.identity import ReferenceSpec, eval_settings, tokenizer_dir
+from harness.job.divergence_texts import max_divergence_tokens, served_texts
+from harness.config import to_config
 from harness.models import loading as models
 
 CHUNK = 256

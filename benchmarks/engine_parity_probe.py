@@ -13,13 +13,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from harness.config import compose
-from harness.job import identity
+from harness.config import to_config
 from harness.models import loading as models
 from harness import quant
 from harness.engines.openai_http import Client, EndpointSpec
 torch.set_num_threads(1)
 scheme, port = sys.argv[1], sys.argv[2]
-cfg = identity.to_config(compose(["model=smollm2_135m", f"quant={scheme}"]))
+cfg = to_config(compose(["model=smollm2_135m", f"quant={scheme}"]))
 loaded = models.load(cfg.model, cfg.paths.cache_dir)
 tok, model = loaded.tokenizer, loaded.model
 qs = ["What is 17 times 23?", "Name three primary colors.", "Write a Python function that reverses a string.",

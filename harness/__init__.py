@@ -27,7 +27,7 @@ from typing import Any
 
 _EXPORTS = {
     "compose": ("harness.config", "compose"),
-    "to_config": ("harness.job.identity", "to_config"),
+    "to_config": ("harness.config", "to_config"),
     "run_job": ("harness.job.pipeline", "run"),
     "eval_settings": ("harness.job.identity", "eval_settings"),
     "reference": ("harness.job.reference", "reference"),

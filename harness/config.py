@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 
 @dataclass
@@ -180,7 +180,7 @@ class SliceConfig:
     # gold texts: the long-generation slice's view of error growing with length.
     divergence_from_reference: bool = False
     # Items whose served text (prompt as evaluated + the reference's reply) is scored for KL when the model
-    # is evaluated through its chat template (harness.job.identity.served_texts); None: every item.
+    # is evaluated through its chat template (harness.job.divergence_texts.served_texts); None: every item.
     served_texts: Optional[int] = None
     metadata: dict[str, Any] = field(default_factory=dict)  # passed to the item generator
     # The sampling design (docs/explanation/strata.md): the item field holding its stratum (a cell the slice
@@ -397,3 +397,15 @@ def load_model_config(name: str) -> ModelConfig:
     raw.pop("defaults", None)
     merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), raw)
     return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
+def to_config(cfg: DictConfig | RunConfig) -> RunConfig:
+    """The typed run config of a composed DictConfig (a RunConfig is returned as is)."""
+    if isinstance(cfg, RunConfig):
+        return cfg
+    return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+
+
+def config_dict(cfg: RunConfig) -> dict:
+    """The run config as plain, resolved data (what config.json holds)."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]

@@ -6,6 +6,7 @@ import pytest
 
 from harness.job import background_reference
 from harness.job import identity
+from harness.config import to_config
 from harness.models import loading as models
 from harness.job.pipeline import run
 
@@ -54,15 +55,15 @@ def test_a_cached_reference_starts_no_process(make_cfg, tmp_path):
 
 @pytest.mark.slow
 def test_when_to_split(make_cfg):
-    cfg = identity.to_config(make_cfg(*TINY))
+    cfg = to_config(make_cfg(*TINY))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)
     spec = identity.ReferenceSpec.of(cfg)
     assert background_reference.wanted(spec, loaded, 2, 1)[0]  # auto: CPU, 2 threads, a small model
     assert not background_reference.wanted(spec, loaded, 1, 1)[0]
     assert not background_reference.wanted(spec, loaded, 2, 0)[0]
-    off = identity.ReferenceSpec.of(identity.to_config(make_cfg(*TINY, "runtime.reference_process=false")))
+    off = identity.ReferenceSpec.of(to_config(make_cfg(*TINY, "runtime.reference_process=false")))
     assert background_reference.wanted(off, loaded, 2, 1) == (False, "runtime.reference_process=false")
-    gpu = identity.ReferenceSpec.of(identity.to_config(make_cfg(*TINY, "model.device=auto")))
+    gpu = identity.ReferenceSpec.of(to_config(make_cfg(*TINY, "model.device=auto")))
     assert background_reference.wanted(gpu, loaded, 8, 1) == (False, "not a CPU job")
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.job import identity
+from harness.config import to_config
 from harness.models import loading as models
 from harness.job import pipeline as run_mod
 from harness.config import SliceConfig, load_model_config
@@ -59,7 +59,7 @@ def test_group_size_that_does_not_divide_is_refused_before_evaluation(make_cfg, 
 def test_unknown_slice_names_the_offline_slices(make_cfg, tmp_path):
     out = _cli("slices=[nope]", "--cfg", "job", cwd=tmp_path)
     assert out.returncode != 0 and "unknown slices option(s) ['nope']" in out.stderr and "math" in out.stderr
-    cfg = identity.to_config(make_cfg(*TINY_MATH))
+    cfg = to_config(make_cfg(*TINY_MATH))
     cfg.slices["nope"] = SliceConfig(tasks=["x"], size="quick")  # configured, but no generator on disk
     with pytest.raises(SliceError, match="offline slices"):
         run_mod.run(cfg)

@@ -28,6 +28,8 @@ import pytest
 
 from harness.divergence import scoring as divergence
 from harness.job import identity
+from harness.job import divergence_texts
+from harness.config import to_config
 from harness.models import loading as models
 from harness.job import pipeline as run_mod
 from harness.config import compose
@@ -71,12 +73,12 @@ def tiny_runs(tmp_path_factory, shared_model_cache):
 def bf16_floor(tiny_runs) -> float:
     """Mean KL(fp32 tiny_random || bf16 tiny_random) on the math slice's divergence texts."""
     cache_dir = tiny_runs["root"] / "cache"
-    cfg = identity.to_config(compose([*TINY, "quant=none", f"paths.cache_dir={cache_dir}"]))
+    cfg = to_config(compose([*TINY, "quant=none", f"paths.cache_dir={cache_dir}"]))
     fp32 = models.load(cfg.model, cache_dir)
     cfg.model.dtype = "bfloat16"
     bf16 = models.load(cfg.model, cache_dir)
     slice_ = resolve(cfg.slices)[0]
-    texts = identity.divergence_texts(slice_, identity.eval_settings(cfg, identity.tokenizer_dir(fp32)))
+    texts = divergence_texts.divergence_texts(slice_, identity.eval_settings(cfg, identity.tokenizer_dir(fp32)))
     reference = divergence.score_reference(fp32.model, fp32.tokenizer, texts, max_tokens=1024, store="logprobs")
     return float(divergence.compare_to_reference(bf16.model, reference, "math")["kl"].mean())
 

@@ -240,7 +240,8 @@ def test_every_slice_of_a_run_shares_one_frozen_head(make_cfg):
     """The frozen reference head is held (and moved to the device) once per run, not once per slice."""
     from harness.models import loading as models
     from harness.infra.cache import Cache
-    from harness.job.identity import ReferenceSpec, to_config
+    from harness.job.identity import ReferenceSpec
+    from harness.config import to_config
     from harness.job.reference import compute_reference, share_heads
     from harness.evaluation.slices import resolve
 

@@ -22,6 +22,7 @@ from harness.engines.vllm_serve import ServedProcess, free_port
 from harness.evaluation import evaluate
 from harness.evaluation.slices import resolve
 from harness.job import identity
+from harness.config import to_config
 from harness.models import loading as models
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -40,7 +41,7 @@ def tiny(tmp_path_factory, shared_model_cache):
     root = tmp_path_factory.mktemp("endpoint")
     (root / "cache").mkdir()
     os.symlink(shared_model_cache, root / "cache" / "models")
-    cfg = identity.to_config(compose([*TINY, f"paths.cache_dir={root / 'cache'}",
+    cfg = to_config(compose([*TINY, f"paths.cache_dir={root / 'cache'}",
                                       f"paths.results_dir={root / 'results'}", "tracking.enabled=false"]))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)
     settings = identity.eval_settings(cfg, None)

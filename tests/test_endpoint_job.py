@@ -16,7 +16,7 @@ import pytest
 
 from harness import cli
 from harness.infra import joblog
-from harness.job import identity
+from harness.config import to_config
 from harness.job import pipeline as run_mod
 from harness.models import loading as models
 from tests.conftest import TINY_MATH
@@ -41,7 +41,7 @@ def _files(root: Path):
 def test_a_served_candidate_pairs_with_the_reference_and_its_key_is_written_nowhere(make_cfg, tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 
-    reference = identity.to_config(make_cfg(*SMALL, "quant=none"))
+    reference = to_config(make_cfg(*SMALL, "quant=none"))
     loaded = models.load(reference.model, reference.paths.cache_dir)  # the same seeded tiny model the job loads
     monkeypatch.setenv(KEY_ENV, PLANTED)
     with FakeServer(loaded.model, loaded.tokenizer, api_key=PLANTED, name="tiny-served") as server, \
@@ -113,7 +113,7 @@ def test_a_served_candidate_runs_sequential_rounds_like_an_in_process_one(make_c
            "eval.sequential=true", "eval.sequential_round_items=6", "gate.enabled=true", "gate.min_items=1",
            "eval.max_gen_toks=12", "slices.math.tasks=[harness_math_gen,harness_math_mc]"]
     own = run_mod.run(make_cfg(*seq, "quant=none"))
-    reference = identity.to_config(make_cfg(*seq, "quant=none"))
+    reference = to_config(make_cfg(*seq, "quant=none"))
     loaded = models.load(reference.model, reference.paths.cache_dir)
     with FakeServer(loaded.model, loaded.tokenizer) as server:
         served = run_mod.run(make_cfg(*seq, "quant=external", f"candidate.endpoint={server.url}"))
@@ -131,7 +131,7 @@ def test_a_served_candidate_runs_sequential_rounds_like_an_in_process_one(make_c
 def test_a_server_without_log_probs_gives_accuracy_and_flips_only_and_says_so(make_cfg, tmp_path):
     gen_only = ["model=tiny_random", "slices=[math]", "slices.math.n_items=6", "slices.math.divergence_texts=2",
                 "slices.math.tasks=[harness_math_gen]", "eval.max_gen_toks=8"]
-    reference = identity.to_config(make_cfg(*gen_only, "quant=none"))
+    reference = to_config(make_cfg(*gen_only, "quant=none"))
     loaded = models.load(reference.model, reference.paths.cache_dir)
     console = io.StringIO()
     with FakeServer(loaded.model, loaded.tokenizer, prompt_logprobs=False) as server, \

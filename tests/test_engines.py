@@ -15,6 +15,7 @@ import pandas as pd
 import pytest
 
 from harness import engines
+from harness.evaluation.evaluate import check_settings
 from harness.config import CandidateConfig
 from harness.engines import registry
 from harness.engines.base import Capabilities, InProcessEngine
@@ -22,7 +23,7 @@ from harness.engines.openai_endpoint import OpenAIEndpoint
 from harness.engines.served import ServedCandidate
 from harness.errors import UserError
 from harness.evaluation import evaluate
-from harness.job import identity
+from harness.config import to_config
 from harness.job import pipeline as run_mod
 from harness.models import loading as models
 from tests.conftest import TINY_MATH
@@ -90,7 +91,7 @@ def test_an_unknown_engine_is_refused_in_one_line_naming_the_registered_ones(mak
     with pytest.raises(UserError, match=r"'openai' is a served engine.*in-process engines: vllm$"):
         engines.in_process_engine("openai")
     with pytest.raises(UserError, match=r"eval.backend='tgi': use one of \['hf', 'vllm'\]"):
-        identity.check_backend(identity.to_config(make_cfg(*TINY_MATH, "eval.backend=tgi")))
+        check_settings(to_config(make_cfg(*TINY_MATH, "eval.backend=tgi")))
 
 
 def test_a_name_is_registered_once():
@@ -123,7 +124,7 @@ def test_a_registered_in_process_engine_is_an_eval_backend(toy_engines, make_cfg
                                                                               "max_length": 512, "seed": 7}
     # the checks eval.backend=vllm has are every in-process engine's: it loads checkpoints from disk
     with pytest.raises(UserError, match="eval.backend=dict loads the reference from model.path"):
-        identity.check_backend(identity.to_config(make_cfg(*TINY_MATH, "eval.backend=dict")))
+        check_settings(to_config(make_cfg(*TINY_MATH, "eval.backend=dict")))
 
 
 def test_a_registered_served_engine_is_the_served_candidates_engine(toy_engines, tmp_path):
@@ -146,7 +147,7 @@ def test_a_whole_job_answers_through_a_registered_engine(toy_engines, make_cfg, 
     """The toy engine serves the reference's own tiny model: every item answered as the reference answered it, the
     token divergence from its top-k log-probs, and its server stopped at the end."""
     small = [*TINY_MATH, "slices.math.n_items=8", "eval.max_gen_toks=12"]
-    reference = identity.to_config(make_cfg(*small, "quant=none"))
+    reference = to_config(make_cfg(*small, "quant=none"))
     loaded = models.load(reference.model, reference.paths.cache_dir)  # the same seeded tiny model the job loads
     monkeypatch.setattr(FakeOpenAIEngine, "served_model", (loaded.model, loaded.tokenizer))
     started: list[FakeOpenAIEngine] = []

@@ -8,6 +8,8 @@ from lm_eval.models.utils import postprocess_generated_text
 
 from harness.evaluation import evaluate
 from harness.job import identity
+from harness.evaluation.evaluate import check_settings
+from harness.config import to_config
 from harness.models import loading as models
 from harness.evaluation.generation import (PREFILL_PADDING, PREFILL_TOKENS, greedy_generate, joins_caches,
                                            prefill_groups)
@@ -19,7 +21,7 @@ TINY = ["model=tiny_random", "slices=[math]", "slices.math.n_items=18", "slices.
 
 @pytest.fixture
 def tiny(make_cfg):
-    cfg = identity.to_config(make_cfg(*TINY))
+    cfg = to_config(make_cfg(*TINY))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)
     return cfg, loaded
 
@@ -89,7 +91,7 @@ def test_the_harness_generator_gives_lm_evals_records(tiny, make_cfg):
     slice_ = resolve(cfg.slices)[0]
     out = {}
     for generator in ("hf", "harness"):
-        settings = identity.eval_settings(identity.to_config(make_cfg(*TINY, f"eval.generator={generator}")), None)
+        settings = identity.eval_settings(to_config(make_cfg(*TINY, f"eval.generator={generator}")), None)
         lm = evaluate.make_lm(loaded.model, loaded.tokenizer, settings)
         assert (type(lm).__name__ == "HarnessHFLM") == (generator == "harness")
         out[generator], _ = evaluate.evaluate_slice(lm, slice_, settings)
@@ -100,7 +102,7 @@ def test_an_unknown_generator_is_refused_before_work(make_cfg):
     from harness.cli import UsageError
 
     with pytest.raises(UsageError, match="eval.generator='fast'.*harness"):
-        identity.check_backend(identity.to_config(make_cfg(*TINY, "eval.generator=fast")))
+        check_settings(to_config(make_cfg(*TINY, "eval.generator=fast")))
 
 
 @pytest.mark.slow
@@ -112,7 +114,7 @@ def test_shared_context_scoring_matches_full_sequences(tiny, make_cfg):
 
     _, loaded = tiny
     model, tok = loaded.model, loaded.tokenizer
-    settings = identity.eval_settings(identity.to_config(make_cfg(*TINY)), None)
+    settings = identity.eval_settings(to_config(make_cfg(*TINY)), None)
     lm = evaluate.make_lm(model, tok, settings)
     gen = torch.Generator().manual_seed(3)
     requests = []

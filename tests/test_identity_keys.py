@@ -19,6 +19,8 @@ import pytest
 from harness.config import SliceConfig, compose
 from harness.evaluation.slices import Slice
 from harness.job import identity
+from harness.job import divergence_texts
+from harness.config import to_config
 from harness.job.identity import ReferenceSpec
 
 BASE = ["model=tiny_random", "slices=[math]", "paths.results_dir=/nonexistent/results",
@@ -68,24 +70,24 @@ PINNED = {
 def test_run_and_reference_keys_are_the_pinned_ones(name, monkeypatch):
     overrides, run, run_without_model, references, max_tokens, served = PINNED[name]
     monkeypatch.setattr(identity, "_version", VERSIONS.__getitem__)
-    cfg = identity.to_config(compose(BASE + overrides))
+    cfg = to_config(compose(BASE + overrides))
     spec = ReferenceSpec.of(cfg)
     assert identity.run_key(cfg, MODEL.identity) == run
     assert identity.run_key(cfg) == run_without_model
     assert [identity.reference_key(MODEL, s, spec) for s in SLICES] == references
-    assert [identity.max_divergence_tokens(s, spec) for s in SLICES] == max_tokens
-    assert [identity.served_format(s, spec) for s in SLICES] == served
+    assert [divergence_texts.max_divergence_tokens(s, spec) for s in SLICES] == max_tokens
+    assert [divergence_texts.served_format(s, spec) for s in SLICES] == served
 
 
 def test_a_reference_spec_gives_the_jobs_evaluation_settings():
-    cfg = identity.to_config(compose(BASE + ["eval.max_gen_toks=8", "eval.backend=vllm", "model.chat_template=true"]))
+    cfg = to_config(compose(BASE + ["eval.max_gen_toks=8", "eval.backend=vllm", "model.chat_template=true"]))
     assert ReferenceSpec.of(cfg).eval_settings("/tokenizer") == identity.eval_settings(cfg, "/tokenizer")
     assert ReferenceSpec.of(cfg).eval_settings(None).batch_size == cfg.model.batch_size  # eval's falls back
 
 
 def test_the_endpoint_divergence_topk_is_in_the_run_key_of_served_candidates_only():
     def key(*overrides: str) -> str:
-        return identity.run_key(identity.to_config(compose(BASE + list(overrides))))
+        return identity.run_key(to_config(compose(BASE + list(overrides))))
 
     assert key("candidate.endpoint_divergence_topk=5") == key() == PINNED["default"][2]
     served = "candidate.endpoint=http://127.0.0.1:8000"

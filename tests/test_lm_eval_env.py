@@ -11,6 +11,7 @@ from lm_eval import evaluator
 
 from harness.evaluation import evaluate
 from harness.job import identity
+from harness.config import to_config
 from harness.models import loading as models
 from harness.evaluation.slices import resolve
 from tests.conftest import TINY_MATH
@@ -44,7 +45,7 @@ def test_inside_the_call_lm_eval_records_versions_only_and_is_put_back_after(mon
 @pytest.mark.slow
 def test_an_evaluation_of_a_slice_does_not_collect_the_environment(make_cfg, monkeypatch):
     calls = _count_collect_env(monkeypatch)
-    cfg = identity.to_config(make_cfg(*TINY_MATH, "quant=none"))
+    cfg = to_config(make_cfg(*TINY_MATH, "quant=none"))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)
     settings = identity.eval_settings(cfg, None)
     records, aggregates = evaluate.evaluate_slice(evaluate.make_lm(loaded.model, loaded.tokenizer, settings),

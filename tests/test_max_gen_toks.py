@@ -13,6 +13,8 @@ import pytest
 
 from harness.evaluation import evaluate
 from harness.job import identity
+from harness.evaluation.evaluate import check_settings
+from harness.config import config_dict, to_config
 from harness.models import loading as models
 from harness.planning import plan
 from harness.evaluation.slices import resolve
@@ -37,7 +39,7 @@ def own_max_gen_toks(slice_) -> dict[str, int]:
 @pytest.mark.slow
 @pytest.mark.parametrize("cap", [None, 20, 1000])
 def test_each_generation_task_keeps_the_lower_of_its_own_and_the_cap(make_cfg, cap):
-    cfg = identity.to_config(make_cfg("model=tiny_random", "slices=[code,structured,long_context]",
+    cfg = to_config(make_cfg("model=tiny_random", "slices=[code,structured,long_context]",
                                       *([f"eval.max_gen_toks={cap}"] if cap else [])))
     checked = 0
     for slice_ in resolve(cfg.slices):
@@ -61,7 +63,7 @@ def test_each_generation_task_keeps_the_lower_of_its_own_and_the_cap(make_cfg, c
 def test_a_capped_evaluation_sends_the_cap_with_each_request_and_replies_shorter(make_cfg):
     out = {}
     for cap in (None, 4):
-        cfg = identity.to_config(make_cfg(*TINY, *([f"eval.max_gen_toks={cap}"] if cap else [])))
+        cfg = to_config(make_cfg(*TINY, *([f"eval.max_gen_toks={cap}"] if cap else [])))
         loaded = models.load(cfg.model, cfg.paths.cache_dir)
         slice_ = resolve(cfg.slices)[0]
         settings = identity.eval_settings(cfg, None)
@@ -78,7 +80,7 @@ def test_a_capped_evaluation_sends_the_cap_with_each_request_and_replies_shorter
 def test_the_plan_counts_the_capped_tokens(make_cfg):
     counts = {}
     for cap in (None, 5):
-        cfg = identity.to_config(make_cfg(*TINY, *([f"eval.max_gen_toks={cap}"] if cap else [])))
+        cfg = to_config(make_cfg(*TINY, *([f"eval.max_gen_toks={cap}"] if cap else [])))
         tokenizer = models.load(cfg.model, cfg.paths.cache_dir).tokenizer
         counts[cap] = plan.count_slice_tokens(resolve(cfg.slices)[0], identity.ReferenceSpec.of(cfg), tokenizer)
     assert counts[None].generated == 9 * 24 and counts[5].generated == 9 * 5
@@ -88,9 +90,9 @@ def test_the_plan_counts_the_capped_tokens(make_cfg):
 def test_a_capped_run_has_its_own_keys_and_an_uncapped_one_keeps_its_old_ones(make_cfg):
     from harness.infra.cache import stable_hash
 
-    base = identity.to_config(make_cfg("model=tiny_random"))
-    capped = identity.to_config(make_cfg("model=tiny_random", "eval.max_gen_toks=16"))
-    config = identity.config_dict(base)
+    base = to_config(make_cfg("model=tiny_random"))
+    capped = to_config(make_cfg("model=tiny_random", "eval.max_gen_toks=16"))
+    config = config_dict(base)
     for key in ("sequential", "sequential_round_items", "sequential_method", "max_gen_toks"):
         config["eval"].pop(key)
     for served_only in ("endpoint_divergence_topk", "endpoint_concurrency"):  # keyed only for served candidates
@@ -114,4 +116,4 @@ def test_a_cap_below_one_token_is_refused_before_work(make_cfg, cap):
     from harness.cli import UsageError
 
     with pytest.raises(UsageError, match=rf"eval.max_gen_toks={cap}: give a number of tokens >= 1"):
-        identity.check_backend(identity.to_config(make_cfg(*TINY, f"eval.max_gen_toks={cap}")))
+        check_settings(to_config(make_cfg(*TINY, f"eval.max_gen_toks={cap}")))

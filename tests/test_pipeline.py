@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
-from harness.job import identity
+from harness.config import to_config
 from harness.job import pipeline as run_mod
 from tests.conftest import TINY_MATH
 
@@ -60,7 +60,7 @@ def test_int4_run_writes_results_and_logs_mlflow(make_cfg, tmp_path):
 
 @pytest.mark.slow
 def test_run_leaves_the_callers_config_as_given_and_writes_summary_once(make_cfg, tmp_path, monkeypatch):
-    cfg = identity.to_config(make_cfg(*TINY_MATH, "quant=int4_g128", "tracking.tags.sweep_id=night-1",
+    cfg = to_config(make_cfg(*TINY_MATH, "quant=int4_g128", "tracking.tags.sweep_id=night-1",
                                       "tracking.enabled=false", "runtime.threads=1"))
     given = copy.deepcopy(cfg)
     assert given.quant.weights.ragged_groups is None  # the job fills it from the model's default

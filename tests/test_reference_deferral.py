@@ -10,7 +10,8 @@ import torch
 
 from harness.models import loading as models
 from harness.infra.cache import Cache
-from harness.job.identity import ReferenceSpec, reference_key, to_config
+from harness.job.identity import ReferenceSpec, reference_key
+from harness.config import to_config
 from harness.job.reference import compute_reference, deferred_references, reference_unless_busy
 from harness.evaluation.slices import resolve
 from tests.test_sweeps import TINY

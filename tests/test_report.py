@@ -175,18 +175,18 @@ def test_a_tiny_random_run_reports_kl_by_position_and_plots_it(make_cfg, tmp_pat
 
 
 def test_a_run_that_simulates_activation_quantization_says_so_and_one_that_does_not_stays_quiet(make_cfg):
-    from harness.job import identity
+    from harness.config import to_config
     from harness.job.pipeline import simulated_activations
     from harness.results.report import simulation_lines
 
     base = ["model=tiny_random", "slices=[math]", "tracking.enabled=false"]
-    fp8 = simulated_activations(identity.to_config(make_cfg(*base, "quant=fp8")))
+    fp8 = simulated_activations(to_config(make_cfg(*base, "quant=fp8")))
     assert fp8 == {"simulated_activations": "fp8_e4m3, per token, dynamic scales"}
     (line,) = simulation_lines({"model": "tiny_random", "scheme": "fp8", **fp8})
     assert "python -m harness.parity model=tiny_random quant=fp8" in line
     for weight_only in ("int4_g128", "fp8_w8a16", "none"):
-        assert simulated_activations(identity.to_config(make_cfg(*base, f"quant={weight_only}"))) == {}
+        assert simulated_activations(to_config(make_cfg(*base, f"quant={weight_only}"))) == {}
     # an export or a server is judged as it is: nothing simulated
-    external = identity.to_config(make_cfg(*base, "quant=fp8", "candidate.path=/some/export"))
+    external = to_config(make_cfg(*base, "quant=fp8", "candidate.path=/some/export"))
     assert simulated_activations(external) == {}
     assert simulation_lines({"model": "m", "scheme": "int4"}) == []

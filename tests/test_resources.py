@@ -11,7 +11,7 @@ import torch
 from harness.models import loading as models
 from harness.job import stage_meter
 from harness.job import pipeline as run_mod
-from harness.job.identity import to_config
+from harness.config import to_config
 from tests.conftest import TINY_MATH
 
 

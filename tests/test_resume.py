@@ -26,6 +26,7 @@ from harness.models import loading as models
 from harness.job import pipeline as run_mod
 from harness.config import compose
 from harness.job import identity
+from harness.config import to_config
 from harness.evaluation.slices import resolve
 from tests.test_sweeps import TINY, harness_command, job_env, mlflow_runs, paths, run_harness, sqlite_uri
 
@@ -72,7 +73,7 @@ def kill_when_checkpointed(args: list[str], cwd: Path, find_db: Callable[[], lis
 
 @pytest.mark.slow
 def test_checkpoint_replays_stored_requests_and_computes_only_the_rest(make_cfg, tmp_path):
-    cfg = identity.to_config(make_cfg(*TINY, "quant=none", "eval.batch_size=1"))
+    cfg = to_config(make_cfg(*TINY, "quant=none", "eval.batch_size=1"))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)
     slice_ = resolve(cfg.slices)[0]
     settings = identity.eval_settings(cfg, None)
@@ -102,7 +103,7 @@ def test_checkpoint_replays_stored_requests_and_computes_only_the_rest(make_cfg,
 
 @pytest.mark.slow
 def test_an_lm_without_checkpoint_does_not_write_into_a_previous_one(make_cfg, tmp_path):
-    cfg = identity.to_config(make_cfg(*TINY, "quant=none"))
+    cfg = to_config(make_cfg(*TINY, "quant=none"))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)
     slice_ = resolve(cfg.slices)[0]
     settings = identity.eval_settings(cfg, None)

@@ -17,6 +17,7 @@ import pytest
 from harness.evaluation import evaluate
 from harness.decision import gate
 from harness.job import identity
+from harness.config import config_dict, to_config
 from harness.evaluation import sequential_run as sequential
 from harness.config import GateConfig
 from harness.evaluation.slices import resolve
@@ -174,13 +175,13 @@ def test_a_round_prompted_differently_from_the_reference_is_refused(monkeypatch)
     (["gate.alpha=0.6"], r"must lie in \(0, 0.5\)"),
 ])
 def test_bad_sequential_settings_are_refused_before_any_work(make_cfg, override, message) -> None:
-    cfg = identity.to_config(make_cfg("model=tiny_random", "eval.sequential=true", *override))
+    cfg = to_config(make_cfg("model=tiny_random", "eval.sequential=true", *override))
     with pytest.raises(sequential.SequentialConfigError, match=message):
         sequential.check_config(cfg, resolve(cfg.slices))
 
 
 def test_registry_slices_with_few_shot_prompts_are_refused(make_cfg) -> None:
-    cfg = identity.to_config(make_cfg("model=tiny_random", "eval.sequential=true"))
+    cfg = to_config(make_cfg("model=tiny_random", "eval.sequential=true"))
     slices = resolve(cfg.slices)
     registry = type(slices[0])(name="gsm", config=type(slices[0].config)(tasks=["gsm8k"], num_fewshot=5),
                                directory=None)
@@ -190,8 +191,8 @@ def test_registry_slices_with_few_shot_prompts_are_refused(make_cfg) -> None:
 
 @pytest.mark.slow
 def test_run_key_is_unchanged_by_the_option_off_and_covers_the_stop_rule_on(make_cfg) -> None:
-    base = identity.to_config(make_cfg("model=tiny_random"))
-    config = identity.config_dict(base)
+    base = to_config(make_cfg("model=tiny_random"))
+    config = config_dict(base)
     for key in ("sequential", "sequential_round_items", "sequential_method", "max_gen_toks"):  # off: not in the key
         config["eval"].pop(key)
     for served_only in ("endpoint_divergence_topk", "endpoint_concurrency"):  # keyed only for served candidates
@@ -204,10 +205,10 @@ def test_run_key_is_unchanged_by_the_option_off_and_covers_the_stop_rule_on(make
             slice_config.pop(key)
     from harness.infra.cache import stable_hash
     assert identity.run_key(base) == stable_hash({"config": config, "model": None}, 16)  # as before the option
-    on = identity.to_config(make_cfg("model=tiny_random", "eval.sequential=true"))
-    stricter = identity.to_config(make_cfg("model=tiny_random", "eval.sequential=true", "gate.alpha=0.01"))
+    on = to_config(make_cfg("model=tiny_random", "eval.sequential=true"))
+    stricter = to_config(make_cfg("model=tiny_random", "eval.sequential=true", "gate.alpha=0.01"))
     assert len({identity.run_key(base), identity.run_key(on), identity.run_key(stricter)}) == 3
-    assert identity.run_key(identity.to_config(make_cfg("model=tiny_random", "gate.alpha=0.01"))) == \
+    assert identity.run_key(to_config(make_cfg("model=tiny_random", "gate.alpha=0.01"))) == \
         identity.run_key(base)
 
 
@@ -246,7 +247,7 @@ def test_a_resumed_sequential_slice_replays_its_rounds_and_reaches_the_same_stop
     from harness.models import loading as models
     from harness.job.reference import compute_reference
     from harness.infra.cache import Cache
-    cfg = identity.to_config(make_cfg(*TINY_SEQ, "quant=none", "eval.batch_size=1", "gate.margin=0.4"))
+    cfg = to_config(make_cfg(*TINY_SEQ, "quant=none", "eval.batch_size=1", "gate.margin=0.4"))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)
     slice_ = resolve(cfg.slices)[0]
     reference = compute_reference(loaded, slice_, identity.ReferenceSpec.of(cfg), Cache(cfg.paths.cache_dir)).records

@@ -17,6 +17,8 @@ from scipy.special import log_softmax, rel_entr
 
 from harness.evaluation import evaluate
 from harness.job import identity
+from harness.job import divergence_texts
+from harness.config import to_config
 from harness.models import loading as models
 from harness.results import summary
 from harness.divergence.scoring import PLAIN, PROMPT, REPLY, ServedText, compare_to_reference, encode_prompt, score_reference
@@ -81,12 +83,12 @@ def test_served_reply_is_the_raw_generation_or_the_chosen_choice():
 def test_spread_rows_covers_every_sub_slice_and_task_first():
     rows = pd.DataFrame({"task": ["mc"] * 6 + ["gen"] * 6, "sub_slice": ["en", "de", "fr"] * 4,
                          "item": range(12)})
-    chosen = identity.spread_rows(rows, 6)
+    chosen = divergence_texts.spread_rows(rows, 6)
     assert sorted(chosen["sub_slice"]) == ["de", "de", "en", "en", "fr", "fr"]
     assert sorted(chosen["task"]) == ["gen"] * 3 + ["mc"] * 3
     assert set(map(tuple, chosen[["sub_slice", "task"]].values)) == {(s, t) for s in ("en", "de", "fr")
                                                                      for t in ("mc", "gen")}
-    assert identity.spread_rows(rows, None) is rows
+    assert divergence_texts.spread_rows(rows, None) is rows
 
 
 def test_headline_is_the_served_reply_and_the_plain_text_kl_keeps_its_name():
@@ -111,27 +113,27 @@ def test_headline_is_the_served_reply_and_the_plain_text_kl_keeps_its_name():
 
 @pytest.mark.slow
 def test_reference_key_marks_served_texts(make_cfg):
-    [math] = resolve(identity.to_config(make_cfg("slices=[math]")).slices)
+    [math] = resolve(to_config(make_cfg("slices=[math]")).slices)
     loaded = type("Loaded", (), {"identity": {"m": 1}})()
     def spec(*overrides: str) -> identity.ReferenceSpec:
-        return identity.ReferenceSpec.of(identity.to_config(make_cfg(*overrides)))
+        return identity.ReferenceSpec.of(to_config(make_cfg(*overrides)))
 
     base = identity.reference_key(loaded, math, spec("model=tiny_random"))
     chat = identity.reference_key(loaded, math, spec("model=tiny_random", "model.chat_template=true"))
     assert base != chat
     # served texts by default, for every model; with the gold texts also scored, a base model
     # (no chat template) is scored on them alone
-    assert identity.served_format(math, spec("model=tiny_random"))
+    assert divergence_texts.served_format(math, spec("model=tiny_random"))
     plain = "eval.divergence_plain=true"
-    assert identity.served_format(math, spec("model=smollm2_135m", plain))
-    assert not identity.served_format(math, spec("model=tiny_random", plain))
+    assert divergence_texts.served_format(math, spec("model=smollm2_135m", plain))
+    assert not divergence_texts.served_format(math, spec("model=tiny_random", plain))
 
 
 @pytest.fixture(scope="module")
 def tiny(shared_model_cache):
     from harness.config import compose
 
-    cfg = identity.to_config(compose(["model=tiny_random"]))
+    cfg = to_config(compose(["model=tiny_random"]))
     return models.load(cfg.model, shared_model_cache.parent)
 
 
@@ -163,8 +165,8 @@ def test_chat_model_run_scores_the_prompt_lm_eval_sent_and_reports_both_kls(make
     assert tokens.loc[tokens["kind"] != PLAIN, "text"].nunique() == 6  # every item (served_texts unset)
     [entry] = (tmp_path / "cache" / "reference").glob("*/records.parquet")
     records = pd.read_parquet(entry)
-    items = {item["id"]: item for item in resolve(identity.to_config(cfg).slices)[0].items(
-        **resolve(identity.to_config(cfg).slices)[0].metadata(1234))}
+    items = {item["id"]: item for item in resolve(to_config(cfg).slices)[0].items(
+        **resolve(to_config(cfg).slices)[0].metadata(1234))}
     for row in records.itertuples():  # the slice's doc_to_text, rendered here through the chat template
         question = items[row.item_id.split("/", 1)[1]]["question"]
         assert row.prompt == tiny.tokenizer.apply_chat_template(

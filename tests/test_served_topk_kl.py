@@ -180,13 +180,13 @@ def tiny_models(tmp_path_factory, shared_model_cache):
     model's are peaked) and a perturbed copy of that (the served candidate); a returned object holds
     the reference as ``.model`` and its tokenizer."""
     from harness.config import compose
-    from harness.job import identity
+    from harness.config import to_config
     from harness.models import loading as models
 
     root = tmp_path_factory.mktemp("served_kl")
     (root / "cache").mkdir()
     os.symlink(shared_model_cache, root / "cache" / "models")
-    cfg = identity.to_config(compose(["model=tiny_random", f"paths.cache_dir={root / 'cache'}",
+    cfg = to_config(compose(["model=tiny_random", f"paths.cache_dir={root / 'cache'}",
                                       "tracking.enabled=false"]))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)
     reference = copy.deepcopy(loaded.model)

@@ -200,7 +200,8 @@ def test_lm_eval_run_on_tiny_model() -> None:
     """The slice's tasks load in lm-eval and yield one record per item with its sub-slice and cluster."""
     from harness.evaluation import evaluate
     from harness.models import loading as models
-    from harness.job.identity import eval_settings, to_config, tokenizer_dir as model_tokenizer_dir
+    from harness.job.identity import eval_settings, tokenizer_dir as model_tokenizer_dir
+    from harness.config import to_config
 
     cfg = to_config(compose(["model=tiny_random", "model.max_length=1024", "slices=[long_context]",
                              "slices.long_context.size=full", "slices.long_context.n_items=3", "eval.batch_size=4"]))
@@ -228,7 +229,8 @@ def test_some_sub_slice_discriminates_on_smollm2() -> None:
     the whole slice, idle, 2026-12-02: 512 at 10/50/90% depth 50/67/83%, 1k 80/60/90%."""
     from harness.evaluation import evaluate
     from harness.models import loading as models
-    from harness.job.identity import eval_settings, to_config, tokenizer_dir as model_tokenizer_dir
+    from harness.job.identity import eval_settings, tokenizer_dir as model_tokenizer_dir
+    from harness.config import to_config
 
     cfg = to_config(compose(["model=smollm2_135m", "slices=[long_context]", "eval.batch_size=1"]))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)

@@ -158,7 +158,8 @@ def test_lm_eval_run_on_tiny_model() -> None:
     (three languages of three scripts, selected through the slice's metadata, to stay fast)."""
     from harness.evaluation import evaluate
     from harness.models import loading as models
-    from harness.job.identity import eval_settings, to_config, tokenizer_dir
+    from harness.job.identity import eval_settings, tokenizer_dir
+    from harness.config import to_config
 
     languages = {"en": "Latn", "ar": "Arab", "zh": "Hans"}
     cfg = to_config(compose(["model=tiny_random", "slices=[multilingual]", "slices.multilingual.n_items=1",
@@ -193,7 +194,8 @@ def test_some_language_discriminates_on_gemma() -> None:
     ``samples``), so its items and prompts are the ones a job scores."""
     from harness.evaluation import evaluate
     from harness.models import loading as models
-    from harness.job.identity import eval_settings, to_config, tokenizer_dir
+    from harness.job.identity import eval_settings, tokenizer_dir
+    from harness.config import to_config
 
     cfg = to_config(compose(["model=gemma3_270m", "slices=[multilingual]"]))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)

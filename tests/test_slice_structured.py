@@ -158,7 +158,7 @@ def test_end_to_end_on_tiny_random_model(tmp_path: Path):
     from harness.models import loading as models
     from harness.config import compose
     from harness.evaluation.evaluate import EvalSettings, evaluate_slice, make_lm
-    from harness.job.identity import to_config
+    from harness.config import to_config
     from harness.evaluation.slices import resolve
 
     cfg = to_config(compose(["model=tiny_random", "slices=[structured]", "slices.structured.n_items=3",

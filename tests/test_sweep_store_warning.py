@@ -12,7 +12,7 @@ from omegaconf import open_dict
 from harness.job import pipeline as run_mod
 from harness.job import sweep
 from harness.config import CONF_DIR, register_configs
-from harness.job.identity import to_config
+from harness.config import to_config
 
 
 @pytest.fixture

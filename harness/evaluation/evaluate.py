@@ -22,6 +22,7 @@ from typing import Any
 
 import pandas as pd
 
+from harness.errors import UsageError
 from harness.evaluation.slices import Slice
 from harness.infra import progress
 
@@ -478,3 +479,29 @@ def records_from_results(results: dict, slice_: Slice) -> tuple[pd.DataFrame, di
         dupes = records.loc[records["item_id"].duplicated(), "item_id"].head(3).tolist()
         raise ValueError(f"slice {slice_.name!r} produced duplicate item ids {dupes}: ids must be unique per task")
     return records, aggregates
+
+
+def check_settings(cfg: Any) -> None:
+    """A run config's evaluation settings, before any work: eval.max_gen_toks, the generator, and eval.backend:
+    hf, or an in-process engine of :mod:`harness.engines` that this machine can run, which loads checkpoints
+    (the reference's and an external candidate's)."""
+    from harness import engines
+
+    cap = cfg.eval.max_gen_toks
+    if cap is not None and cap < 1:
+        raise UsageError(f"eval.max_gen_toks={cap!r}: give a number of tokens >= 1, or null for each task's own")
+    if cfg.eval.generator not in GENERATORS:
+        raise UsageError(f"eval.generator={cfg.eval.generator!r}: use one of {list(GENERATORS)}")
+    backend, known = cfg.eval.backend, backends()
+    if backend not in known:
+        raise UsageError(f"eval.backend={backend!r}: use one of {list(known)}")
+    if backend == "hf":
+        return
+    engines.in_process_engine(backend).check()
+    if cfg.model.source != "hf":
+        raise UsageError(f"eval.backend={backend} loads the reference from model.path; model.source="
+                         f"{cfg.model.source!r} has no checkpoint it can load (use a hub id or a local directory)")
+    if not cfg.candidate.path:
+        raise UsageError(f"eval.backend={backend} serves checkpoints, and the harness's own quantization is simulated: "
+                         "export it first (python -m harness.export model=... quant=... out=DIR), then evaluate "
+                         "quant=external candidate.path=DIR")

@@ -3,27 +3,23 @@
 A finished job is found again by :func:`run_key` (model, scheme, slices and settings; not where
 its outputs go or how many threads ran it), a slice's reference by :func:`reference_key` (model,
 slice content, the settings that change the reference's numbers, library versions). Those
-settings are read from the run config once, into a :class:`ReferenceSpec`. The evaluation settings
-and divergence texts of a slice are derived here too, so that the pipeline, the sweep planner, the
-sensitivity tool and the benchmarks build them one way.
+settings are read from the run config once, into a :class:`ReferenceSpec`. A job's evaluation settings
+are derived here too, so that the pipeline, the sweep planner, the sensitivity tool and the benchmarks
+build them one way (the divergence texts: :mod:`harness.job.divergence_texts`).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 from dataclasses import dataclass
-from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
-from harness import engines
-from harness.config import QuantConfig, RunConfig
-from harness.errors import UsageError
+from harness.config import QuantConfig, RunConfig, config_dict
 from harness.evaluation import evaluate
 from harness.evaluation.slices import Slice
 from harness.infra.cache import file_sha256, stable_hash
+from harness.job.divergence_texts import SERVED_FORMAT, served_format
 from harness.models import loading as models
 
 # Config sections that say where results go or how a job runs, not what it computes.
@@ -37,18 +33,6 @@ SETTINGS_SECTIONS = {
             "coarse_to_fine": True},
     "smoothquant": {"alpha": 0.5},
 }
-
-
-def to_config(cfg: DictConfig | RunConfig) -> RunConfig:
-    """The typed run config of a composed DictConfig (a RunConfig is returned as is)."""
-    if isinstance(cfg, RunConfig):
-        return cfg
-    return OmegaConf.to_object(cfg)  # type: ignore[return-value]
-
-
-def config_dict(cfg: RunConfig) -> dict:
-    """The run config as plain, resolved data (what config.json holds)."""
-    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -96,30 +80,6 @@ class ReferenceSpec:
 def eval_settings(cfg: RunConfig, tokenizer_path: str | None) -> evaluate.EvalSettings:
     """The lm-eval settings of a job (batch size falls back to the model's)."""
     return ReferenceSpec.of(cfg).eval_settings(tokenizer_path)
-
-
-def check_backend(cfg: RunConfig) -> None:
-    """The evaluation settings, before any work: eval.max_gen_toks, the generator, and eval.backend: hf, or an
-    in-process engine of :mod:`harness.engines` that this machine can run, which loads checkpoints (the
-    reference's and an external candidate's)."""
-    cap = cfg.eval.max_gen_toks
-    if cap is not None and cap < 1:
-        raise UsageError(f"eval.max_gen_toks={cap!r}: give a number of tokens >= 1, or null for each task's own")
-    if cfg.eval.generator not in evaluate.GENERATORS:
-        raise UsageError(f"eval.generator={cfg.eval.generator!r}: use one of {list(evaluate.GENERATORS)}")
-    backend, known = cfg.eval.backend, evaluate.backends()
-    if backend not in known:
-        raise UsageError(f"eval.backend={backend!r}: use one of {list(known)}")
-    if backend == "hf":
-        return
-    engines.in_process_engine(backend).check()
-    if cfg.model.source != "hf":
-        raise UsageError(f"eval.backend={backend} loads the reference from model.path; model.source="
-                         f"{cfg.model.source!r} has no checkpoint it can load (use a hub id or a local directory)")
-    if not cfg.candidate.path:
-        raise UsageError(f"eval.backend={backend} serves checkpoints, and the harness's own quantization is simulated: "
-                         "export it first (python -m harness.export model=... quant=... out=DIR), then evaluate "
-                         "quant=external candidate.path=DIR")
 
 
 def tokenizer_dir(loaded: models.LoadedModel) -> str | None:
@@ -207,64 +167,3 @@ def run_name(cfg: RunConfig) -> str:
     return cfg.tracking.run_name or f"{cfg.model.name}/{cfg.quant.name}/{'+'.join(cfg.slices)}"
 
 
-def max_divergence_tokens(slice_: Slice, spec: ReferenceSpec) -> int:
-    """Tokens of each divergence text scored: the slice's own limit, else eval's, within the context."""
-    limit = slice_.config.metadata.get("divergence_max_tokens", spec.divergence_max_tokens)
-    return min(int(limit), spec.max_length)
-
-
-def served_format(slice_: Slice, spec: ReferenceSpec) -> bool:
-    """Whether a slice's divergence is scored on served texts (see :func:`served_texts`).
-
-    For every slice by default: the headline KL is measured on what the model serves. With
-    ``eval.divergence_plain=true`` the gold texts are scored too, and base models (no chat template)
-    are then scored on them alone, as before that option existed, except slices that set
-    ``divergence_from_reference`` (long generation: error growth along the reference's reply).
-    """
-    return bool(spec.chat_template or slice_.config.divergence_from_reference or not spec.divergence_plain)
-
-
-SERVED_FORMAT = "served-v1"  # in the reference key of slices scored on served texts
-
-
-def served_texts(slice_: Slice, records: Any, tokenizer: Any) -> list[Any]:
-    """Each item's prompt exactly as the evaluation sent it, followed by the reference's own reply.
-
-    The prompt is the string lm-eval rendered (chat template, system prompt, instruction; the
-    records' ``prompt``), the reply the reference's greedy generation or chosen continuation
-    (``reply``). ``slice_.config.served_texts`` items at most (None: every item; a slice with
-    ``divergence_from_reference`` keeps its ``divergence_texts``), taken in turn from each
-    sub-slice and task so that every sub-slice is represented.
-    """
-    from harness.divergence.scoring import served_text
-
-    if records.empty or "prompt" not in records:
-        return []
-    rows = records[records["prompt"].astype(str) != ""]
-    limit = slice_.config.served_texts
-    if limit is None and slice_.config.divergence_from_reference:
-        limit = slice_.config.divergence_texts
-    chosen = spread_rows(rows, limit)
-    return [served_text(tokenizer, str(row.prompt), str(row.reply)) for row in chosen.itertuples()]
-
-
-def spread_rows(rows: Any, limit: int | None) -> Any:
-    """``limit`` rows taken round-robin over sub-slices (first-seen order), each sub-slice
-    alternating over its tasks, the first task rotating by sub-slice; all rows when ``limit`` is None."""
-    if limit is None or limit >= len(rows):
-        return rows
-    queues = []
-    for index, (_, group) in enumerate(rows.groupby("sub_slice", sort=False)):
-        by_task = [list(g.index) for _, g in group.groupby("task", sort=False)]
-        by_task = by_task[index % len(by_task):] + by_task[:index % len(by_task)]
-        queue = [i for batch in zip_longest(*by_task) for i in batch if i is not None]
-        queues.append(queue)
-    order = [i for batch in zip_longest(*queues) for i in batch if i is not None]
-    return rows.loc[order[:limit]]
-
-
-def divergence_texts(slice_: Slice, settings: evaluate.EvalSettings) -> list[str]:
-    """The gold texts scored for KL / PPL on ``slice_`` (none for registry slices)."""
-    if slice_.directory is None:
-        return []
-    return slice_.divergence_texts(**slice_.metadata(settings.seed, settings.tokenizer_path, settings.max_length))

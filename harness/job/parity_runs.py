@@ -33,6 +33,7 @@ from harness import cli
 from harness.compare.parity_table import ParityInputs, parity_table
 from harness.compare.render.tables import PARITY_LEGEND, parity_markdown
 from harness.compare.sources import load_results_dir
+from harness.config import to_config
 from harness.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -54,12 +55,12 @@ class ParityOptions:
 def _job(overrides: list[str]) -> Path:
     """One ``python -m harness`` job in process; its results directory."""
     from harness.config import compose
-    from harness.job import identity, pipeline
+    from harness.job import pipeline
 
     cfg = compose(overrides)
     result = pipeline.run(cfg)
     key = result.get("run_key")
-    root = Path(identity.to_config(cfg).paths.results_dir)
+    root = Path(to_config(cfg).paths.results_dir)
     for summary in sorted(root.glob("*/summary.json"), key=lambda p: p.stat().st_mtime, reverse=True):
         if json.loads(summary.read_text()).get("run_key") == key:
             return summary.parent
@@ -72,14 +73,13 @@ def _serve_override(command: str, directory: Path) -> str:
 
 def make_runs(overrides: list[str], command: str, out: Path) -> tuple[Path, Path, Path]:
     """The simulation, the served export and the served reference, as three jobs (see the module)."""
-    from harness.job import identity
     from harness.models.loading import serving_directory
     from harness.config import compose
 
     if "{model}" not in command or "{port}" not in command:
         raise UsageError(f"serve={command!r} lacks {{model}} or {{port}}: e.g. serve=\"vllm serve {{model}} "
                          "--host 127.0.0.1 --port {port}\"")
-    cfg = identity.to_config(compose(overrides))
+    cfg = to_config(compose(overrides))
     if cfg.quant.name in ("none", "external"):
         raise UsageError(f"quant={cfg.quant.name}: parity needs the scheme whose simulation and export are compared, "
                          "e.g. quant=fp8")
@@ -150,14 +150,12 @@ TOOL = cli.Tool(prog="python -m harness.parity", options=ParityOptions, run_conf
 
 
 def _body(parsed: cli.Parsed[ParityOptions]) -> int:
-    from harness.job import identity
-
     options = parsed.options
     assert options is not None
     if options.serve:
         if options.simulation or options.served:
             raise UsageError("give either serve= (the runs are made) or simulation= and served= (finished runs)")
-        cfg = identity.to_config(parsed.run)
+        cfg = to_config(parsed.run)
         out = Path(options.out or Path(cfg.paths.results_dir) / "parity" / f"{cfg.model.name}-{cfg.quant.name}")
         simulation, served, floor = make_runs(list(parsed.overrides), options.serve, out)
     else:
@@ -166,7 +164,7 @@ def _body(parsed: cli.Parsed[ParityOptions]) -> int:
                              "with model=/quant=/slices= to make the runs")
         simulation, served = Path(options.simulation), Path(options.served)
         floor = Path(options.floor) if options.floor else None
-        cfg = identity.to_config(parsed.run)
+        cfg = to_config(parsed.run)
         out = Path(options.out) if options.out else simulation.parent / "parity" / simulation.name
     inputs = ParityInputs(load_results_dir(simulation), load_results_dir(served),
                           load_results_dir(floor) if floor is not None else None)

@@ -45,16 +45,9 @@ from harness.infra.cache import (
 )
 from harness.infra.runtime import apply_threads
 from harness.job import background_reference, disk, stage_meter, sweep
-from harness.job.identity import (
-    ReferenceSpec,
-    check_backend,
-    config_dict,
-    run_key,
-    reference_key,
-    run_name,
-    to_config,
-    tokenizer_dir,
-)
+from harness.job.identity import ReferenceSpec, run_key, reference_key, run_name, tokenizer_dir
+from harness.config import config_dict, to_config
+from harness.evaluation.evaluate import check_settings
 from harness.job.reference import (
     SliceReference,
     capture_for,
@@ -376,7 +369,7 @@ def preflight(cfg: RunConfig) -> Preflight:
     check_hub_for_registry(slices)
     quant.validate_scheme(cfg.quant)
     check_format(cfg.quant.calibration, cfg.model.chat_template, cfg.model.name)
-    check_backend(cfg)
+    check_settings(cfg)
     sequential_run.check_config(cfg, slices)
     models.check_available(cfg.model)
     uri = tracking.resolve_uri(cfg.tracking.uri)

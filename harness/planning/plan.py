@@ -54,14 +54,8 @@ from harness.evaluation import evaluate
 from harness.evaluation.slices import Slice, resolve
 from harness.infra.cache import Cache, stable_hash
 from harness.job import stage_meter
-from harness.job.identity import (
-    ReferenceSpec,
-    divergence_texts,
-    max_divergence_tokens,
-    reference_key,
-    run_key,
-    slice_identity,
-)
+from harness.job.identity import ReferenceSpec, reference_key, run_key, slice_identity
+from harness.job.divergence_texts import divergence_texts, max_divergence_tokens
 from harness.models import loading as models
 
 log = logging.getLogger("harness.plan")

@@ -260,6 +260,7 @@ def reference_texts(loaded: Any, cfg: RunConfig, n_texts: int) -> list[divergenc
     """The reference pass over the selected slices' divergence texts (``n_texts`` in all, spread over slices)."""
     from harness.evaluation.slices import resolve
     from harness.job import identity
+    from harness.job import divergence_texts
 
     slices = resolve(cfg.slices)
     spec = identity.ReferenceSpec.of(cfg)
@@ -267,9 +268,9 @@ def reference_texts(loaded: Any, cfg: RunConfig, n_texts: int) -> list[divergenc
     per_slice = max(1, math.ceil(n_texts / len(slices)))
     scored: list[divergence.ReferenceText] = []
     for slice_ in slices:
-        texts = identity.divergence_texts(slice_, settings)[:per_slice]
+        texts = divergence_texts.divergence_texts(slice_, settings)[:per_slice]
         scored += divergence.score_reference(loaded.model, loaded.tokenizer, texts,
-                                             max_tokens=identity.max_divergence_tokens(slice_, spec))
+                                             max_tokens=divergence_texts.max_divergence_tokens(slice_, spec))
     if not scored:
         raise ValueError(f"the slices {list(cfg.slices)} give no divergence texts; pick an offline slice (slices=math)")
     return scored[:n_texts]

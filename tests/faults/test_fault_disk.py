@@ -182,12 +182,13 @@ def _bytes_under(path: Path) -> int:
 def test_the_estimate_is_at_least_what_a_job_writes(make_cfg, tmp_path, cache_dir):
     """An upper bound, checked against a real job: results directory and reference cache, measured after it."""
     from harness.job import identity
+    from harness.config import to_config
     from harness.models import loading as models
     from harness.infra.cache import Cache
     from harness.job.pipeline import run
     from harness.evaluation.slices import resolve
 
-    cfg = identity.to_config(make_cfg(*TINY, "quant=gptq_w4g128", "tracking.enabled=false", "runtime.threads=1"))
+    cfg = to_config(make_cfg(*TINY, "quant=gptq_w4g128", "tracking.enabled=false", "runtime.threads=1"))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)
     estimate = {w.what: w.bytes for w in disk.job_writes(identity.ReferenceSpec.of(cfg), cfg.quant, loaded,
                                                          resolve(cfg.slices), Cache(cache_dir), tmp_path / "results")}

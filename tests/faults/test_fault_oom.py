@@ -9,6 +9,7 @@ import torch
 
 from harness.evaluation import evaluate
 from harness.job import identity
+from harness.config import to_config
 from harness.models import loading as models
 from harness.evaluation.generation import halve_on_oom
 from harness.evaluation.slices import resolve
@@ -65,7 +66,7 @@ def _records(cfg, loaded, slice_):
 @pytest.mark.slow
 def test_an_evaluation_that_runs_out_of_memory_gives_the_undisturbed_records(make_cfg, caplog):
     """Any forward of more than two rows fails as a GPU out of memory would; the records stay the same."""
-    cfg = identity.to_config(make_cfg(*TINY_MATH, "quant=none", "eval.batch_size=8"))
+    cfg = to_config(make_cfg(*TINY_MATH, "quant=none", "eval.batch_size=8"))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)
     slice_ = resolve(cfg.slices)[0]
     undisturbed = _records(cfg, loaded, slice_)

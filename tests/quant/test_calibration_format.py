@@ -15,7 +15,7 @@ from harness.models import loading as models
 from harness.job import pipeline as run_mod
 from harness.infra.cache import Cache, stable_hash
 from harness.config import CalibrationConfig, compose, load_model_config
-from harness.job.identity import to_config
+from harness.config import to_config
 from harness.quant import SchemeError
 from harness.quant.calibrated_cache import calibrated_key
 from harness.quant.calibration import (CalibrationContext, calibration_tokens, check_format, resolved_format,

@@ -157,12 +157,14 @@ def test_smollm2_bf16_fp8_kl_equals_the_real_fp8_gemm(make_cfg):
     measured 0.082 vs 0.079; the simulation before the fix gave 0.211)."""
     from harness.divergence import scoring as divergence
     from harness.job import identity
+    from harness.job import divergence_texts
+    from harness.config import to_config
     from harness.models import loading as models
     from harness.evaluation.slices import resolve
-    cfg = identity.to_config(make_cfg("model=smollm2_135m", "model.dtype=bfloat16", "slices=[math]", "quant=fp8"))
+    cfg = to_config(make_cfg("model=smollm2_135m", "model.dtype=bfloat16", "slices=[math]", "quant=fp8"))
     loaded = models.load(cfg.model, cfg.paths.cache_dir)
     slice_ = resolve(cfg.slices)[0]
-    texts = identity.divergence_texts(slice_, identity.eval_settings(cfg, identity.tokenizer_dir(loaded)))
+    texts = divergence_texts.divergence_texts(slice_, identity.eval_settings(cfg, identity.tokenizer_dir(loaded)))
     ids = [divergence.tokenize(loaded.tokenizer, t, 1024) for t in texts]
 
     @torch.no_grad()

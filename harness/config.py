@@ -183,11 +183,11 @@ class SliceConfig:
     # is evaluated through its chat template (harness.job.divergence_texts.served_texts); None: every item.
     served_texts: Optional[int] = None
     metadata: dict[str, Any] = field(default_factory=dict)  # passed to the item generator
-    # The sampling design (docs/explanation/strata.md): the item field holding its stratum (a cell the slice
-    # enumerates on purpose) and its cluster (items sharing content drawn at random). None: the fields
-    # "stratum" and "cluster" where the items have them; a registry task's items have neither: every item
-    # its own cluster, one stratum.
+    # The item field holding its stratum, a cell the slice enumerates on purpose (docs/explanation/strata.md).
+    # None: the field "stratum" where the items have it; otherwise (a registry task) one stratum.
     stratum_field: Optional[str] = None
+    # The item field holding its cluster, the items sharing content drawn at random (docs/explanation/strata.md).
+    # None: the field "cluster" where the items have it; otherwise (a registry task) every item its own cluster.
     cluster_field: Optional[str] = None
 
 
@@ -264,7 +264,7 @@ class GateConfig:
     min_clusters: int = 5  # fewer clusters: inconclusive (the clustered SE needs several clusters)
     # A slice of multi-item clusters passes only with this many random clusters (G - K + 1: strata are not counted,
     # docs/explanation/strata.md): with fewer, the score test's measured false-pass rate at the margin exceeds α
-    # (benchmarks/bench_gate_oc.py; README "Deciding to ship"). 0: off.
+    # (benchmarks/bench_gate_oc.py; docs/explanation/gate-operating-characteristics.md). 0: off.
     min_clusters_pass: int = 20
     # Reference accuracy minus chance below this: inconclusive (a slice the reference mostly gets wrong
     # cannot show a loss). Chance is gate.chance[slice], else mc_chance per multiple-choice item, 0 generative.

@@ -178,8 +178,7 @@ def dataclass_fields(module: Any, source_path: Path) -> dict[str, list[FieldDoc]
             continue
         defaults = {f.name: f for f in dataclasses.fields(cls)}
         docs: list[FieldDoc] = []
-        shared, previous_end = "", 0  # a block comment above consecutive fields describes them all
-        for stmt in node.body:
+        for stmt in node.body:  # each field's own comments: on its line(s) and in the block right above it
             if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
                 continue
             name = stmt.target.id
@@ -191,13 +190,6 @@ def dataclass_fields(module: Any, source_path: Path) -> dict[str, list[FieldDoc]
             while line >= 1 and lines[line - 1].strip().startswith("#"):
                 above.insert(0, comments.get(line, ""))
                 line -= 1
-            if above:
-                shared = " ".join(part for part in above if part)
-            elif not meaning and previous_end == stmt.lineno - 1 and shared:
-                above = [shared]
-            else:
-                shared = ""
-            previous_end = stmt.end_lineno or stmt.lineno
             meaning = " ".join(part for part in [*above, meaning] if part)
             if not meaning:
                 meaning = FIELD_NOTES.get(f"{node.name}.{name}", "")

@@ -59,6 +59,44 @@ def test_generated_reference_is_current(page):
     assert path.read_text() == want, f"docs/{page} differs from the code; run .venv/bin/python scripts/docs_reference.py"
 
 
+# Fields whose one description is meant for both (none today): {"Class.field", ...} sets, each declared here.
+SHARED_DESCRIPTIONS: list[set[str]] = []
+
+
+def test_each_config_field_is_described_by_its_own_text():
+    """A block comment above one field once described the fields after it too: position_buckets read as
+    max_gen_toks, gate.chance as min_headroom, cluster_field as stratum_field."""
+    by_text: dict[str, set[str]] = {}
+    for cls, fields in GEN.config_fields().items():
+        for f in fields:
+            by_text.setdefault(f.meaning, set()).add(f"{cls}.{f.name}")
+    shared = [names for text, names in by_text.items() if text and len(names) > 1 and names not in SHARED_DESCRIPTIONS]
+    assert shared == []
+
+
+def test_every_path_named_in_a_field_description_exists():
+    from tests.test_message_paths import named_paths
+
+    missing = [f"{cls}.{f.name}: {name}" for cls, fields in GEN.config_fields().items() for f in fields
+               for name in named_paths(f.meaning) if not (REPO / name).exists()]
+    assert missing == []
+    named = [name for fields in GEN.config_fields().values() for f in fields for name in named_paths(f.meaning)]
+    assert "docs/explanation/strata.md" in named  # the check reads the descriptions
+
+
+def test_the_description_reader_keeps_a_block_comment_to_its_own_field(tmp_path):
+    source = tmp_path / "planted.py"
+    source.write_text("from dataclasses import dataclass\n\n\n@dataclass\nclass Planted:\n"
+                      "    # the first field's text\n    first: int = 1\n    second: int = 2\n"
+                      "    third: int = 3  # the third's own\n")
+    spec = importlib.util.spec_from_file_location("planted", source)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["planted"] = module
+    spec.loader.exec_module(module)
+    meanings = {f.name: f.meaning for f in GEN.dataclass_fields(module, source)["Planted"]}
+    assert meanings == {"first": "the first field's text", "second": "", "third": "the third's own"}
+
+
 def test_every_config_field_preset_tool_and_metric_is_documented():
     assert GEN.problems() == []
     fields = GEN.config_fields()

@@ -15,8 +15,8 @@ import sys
 from typing import Sequence
 
 from harness import cli
-from harness.compare.options import CompareOptions
 from harness.compare.comparison import execute
+from harness.compare.options import CompareOptions
 from harness.compare.render.terminal import terminal_table
 from harness.errors import UsageError
 

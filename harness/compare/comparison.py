@@ -10,8 +10,8 @@ from typing import Any, Sequence
 
 from harness.compare.analysis import ComparisonReport, analyse
 from harness.compare.options import CompareOptions
-from harness.compare.parity_table import ParityInputs, parity_table
 from harness.compare.output import default_out_dir, log_comparison, write_report
+from harness.compare.parity_table import ParityInputs, parity_table
 from harness.compare.sources import load_mlflow_run, load_results_dir, select_runs
 from harness.results.tracking import resolve_uri
 

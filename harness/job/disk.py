@@ -80,8 +80,8 @@ def job_writes(spec: ReferenceSpec, scheme: QuantConfig, loaded: Any, slices: li
     method. The model cache is written while loading, before this estimate: a full disk there
     ends the job in one line like any other.
     """
-    from harness.job.identity import reference_key
     from harness.job.divergence_texts import max_divergence_tokens
+    from harness.job.identity import reference_key
     from harness.quant import get_method, target_linears
 
     model, model_key = loaded.model, loaded.key

@@ -73,8 +73,8 @@ def _serve_override(command: str, directory: Path) -> str:
 
 def make_runs(overrides: list[str], command: str, out: Path) -> tuple[Path, Path, Path]:
     """The simulation, the served export and the served reference, as three jobs (see the module)."""
-    from harness.models.loading import serving_directory
     from harness.config import compose
+    from harness.models.loading import serving_directory
 
     if "{model}" not in command or "{port}" not in command:
         raise UsageError(f"serve={command!r} lacks {{model}} or {{port}}: e.g. serve=\"vllm serve {{model}} "

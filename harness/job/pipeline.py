@@ -27,14 +27,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness import quant
 from harness.checkpoint import candidate
-from harness.config import RunConfig
+from harness.config import RunConfig, config_dict, to_config
 from harness.decision import gate
-from harness.sizing import ledger
 from harness.divergence import scoring as divergence
 from harness.engines import served
 from harness.errors import UsageError
-from harness.evaluation import evaluate
-from harness.evaluation import sequential_run
+from harness.evaluation import evaluate, sequential_run
+from harness.evaluation.evaluate import check_settings
 from harness.evaluation.slices import Slice, check_hub_for_registry, resolve
 from harness.infra import devices, joblog, progress
 from harness.infra.cache import (
@@ -45,9 +44,7 @@ from harness.infra.cache import (
 )
 from harness.infra.runtime import apply_threads
 from harness.job import background_reference, disk, stage_meter, sweep
-from harness.job.identity import ReferenceSpec, run_key, reference_key, run_name, tokenizer_dir
-from harness.config import config_dict, to_config
-from harness.evaluation.evaluate import check_settings
+from harness.job.identity import ReferenceSpec, reference_key, run_key, run_name, tokenizer_dir
 from harness.job.reference import (
     SliceReference,
     capture_for,
@@ -62,6 +59,7 @@ from harness.models import placement
 from harness.quant.calibration import check_format
 from harness.results import longgen, report, summary, tracking
 from harness.results.tracking import SWEEP_TAG
+from harness.sizing import ledger
 
 log = logging.getLogger("harness")
 

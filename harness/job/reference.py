@@ -34,8 +34,8 @@ from harness.evaluation.slices import Slice
 from harness.infra import locks
 from harness.infra.cache import Cache
 from harness.infra.locks import LockTimeout
-from harness.job.identity import ReferenceSpec, reference_key, tokenizer_dir
 from harness.job.divergence_texts import divergence_texts, max_divergence_tokens, served_format, served_texts
+from harness.job.identity import ReferenceSpec, reference_key, tokenizer_dir
 from harness.models import loading as models
 from harness.models.hooks import forward_pre_hooks
 

@@ -33,11 +33,11 @@ packaged stand-in of ``model.tiny.tokenizer`` (SmolLM2's) counts them, and the p
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
 import time
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -54,8 +54,8 @@ from harness.evaluation import evaluate
 from harness.evaluation.slices import Slice, resolve
 from harness.infra.cache import Cache, stable_hash
 from harness.job import stage_meter
-from harness.job.identity import ReferenceSpec, reference_key, run_key, slice_identity
 from harness.job.divergence_texts import divergence_texts, max_divergence_tokens
+from harness.job.identity import ReferenceSpec, reference_key, run_key, slice_identity
 from harness.models import loading as models
 
 log = logging.getLogger("harness.plan")

@@ -181,9 +181,7 @@ def _measure(model: Any, scheme: QuantConfig, reference: list, context: Any) -> 
     """Apply ``scheme``, score KL on ``reference``, put the model back exactly."""
     from harness import quant
     from harness.divergence import scoring as divergence
-    from harness.planning.sensitivity import (
-        _Snapshot,  # the bitwise restore the sensitivity scan uses
-    )
+    from harness.planning.sensitivity import _Snapshot  # the bitwise restore the sensitivity scan uses
 
     snapshot = _Snapshot(model)
     try:
@@ -315,8 +313,8 @@ def recommend(cfg: Any, options: RecommendOptions, overrides: list[str] | None =
     """Sensitivity (cached) → exact choice → scheme YAML → measured KL vs uniform schemes → files."""
     from harness import quant
     from harness.config import compose
-    from harness.sizing.report_quant import output_dir, prepare
     from harness.planning.sensitivity import layer_sensitivity, reference_texts
+    from harness.sizing.report_quant import output_dir, prepare
 
     if options.granularity not in ("block", "linear"):
         raise UsageError(f"granularity={options.granularity!r}: use block or linear (granularity=expert is "

@@ -259,8 +259,7 @@ class SensitivityResult:
 def reference_texts(loaded: Any, cfg: RunConfig, n_texts: int) -> list[divergence.ReferenceText]:
     """The reference pass over the selected slices' divergence texts (``n_texts`` in all, spread over slices)."""
     from harness.evaluation.slices import resolve
-    from harness.job import identity
-    from harness.job import divergence_texts
+    from harness.job import divergence_texts, identity
 
     slices = resolve(cfg.slices)
     spec = identity.ReferenceSpec.of(cfg)

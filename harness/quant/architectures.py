@@ -391,8 +391,8 @@ def round_outside_blocks(model: nn.Module, adapter: Adapter, scheme: Any, target
     report note; a target inside a block that the adapter's groups do not name is an error,
     because the method's order of work would silently skip it.
     """
-    from harness.quant.targets import bits_for
     from harness.quant.format_table import SchemeError, fake_quantize
+    from harness.quant.targets import bits_for
 
     blocks_prefix = adapter.block_name(0).rsplit(".", 1)[0] + "."
     known = {f"{adapter.block_name(i)}.{n}" for i in range(len(adapter.blocks(model))) for n in adapter.linear_names()}

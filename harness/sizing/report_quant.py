@@ -25,6 +25,11 @@ import pandas as pd
 
 from harness import cli, quant
 from harness.config import RunConfig
+from harness.errors import UsageError
+from harness.infra.cache import Cache, atomic_write_text
+from harness.models import loading as models
+from harness.quant import QuantReport
+from harness.results.report import coverage_lines
 from harness.sizing.ledger import (  # noqa: F401 (re-exported)
     DEFAULT_GPUS,
     EXTRAPOLATE_PARAMS,
@@ -34,11 +39,6 @@ from harness.sizing.ledger import (  # noqa: F401 (re-exported)
     decode_floor_ms,
     decode_floor_table,
 )
-from harness.errors import UsageError
-from harness.infra.cache import Cache, atomic_write_text
-from harness.models import loading as models
-from harness.quant import QuantReport
-from harness.results.report import coverage_lines
 
 log = logging.getLogger(__name__)
 

@@ -71,7 +71,7 @@ from scipy import stats as sps
 from harness.stats.intervals import clustered_variance, effective_scale, wilson
 from harness.stats.multiple import adjust_pvalues
 from harness.stats.score import ScoreTest, restricted_loss, score_test
-from harness.stats.strata import estimable_strata, cluster_variance, stratum_codes
+from harness.stats.strata import cluster_variance, estimable_strata, stratum_codes
 from harness.stats.verdict import verdict_label
 
 __all__ = [

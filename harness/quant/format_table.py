@@ -180,8 +180,8 @@ def int_format(name: str = "int", bits: int | None = None) -> NumberFormat:
 
     def quantize(x: Tensor, spec: TensorQuantConfig, granularity: str, include_zero: bool = True) -> Tensor:
         return format_math.int_quantize(x, width(spec), symmetric=spec.symmetric, granularity=granularity,
-                                    group_size=spec.group_size if granularity == "group" else None,
-                                    include_zero=include_zero, full_range=full_range(spec))
+                                        group_size=spec.group_size if granularity == "group" else None,
+                                        include_zero=include_zero, full_range=full_range(spec))
 
     def round_(x: Tensor, spec: TensorQuantConfig, scale: Tensor, zero: Tensor | None) -> Tensor:
         symmetric = zero is None or spec.symmetric
@@ -191,7 +191,7 @@ def int_format(name: str = "int", bits: int | None = None) -> NumberFormat:
     def qparams(x: Tensor, spec: TensorQuantConfig, dims: tuple[int, ...], include_zero: bool
                 ) -> tuple[Tensor, Tensor | None]:
         return format_math.int_qparams(x, width(spec), symmetric=spec.symmetric, dim=dims, include_zero=include_zero,
-                                   full_range=full_range(spec))
+                                       full_range=full_range(spec))
 
     def label(spec: TensorQuantConfig) -> str:
         grain = f"group{spec.group_size}" if spec.granularity == "group" else spec.granularity
@@ -209,7 +209,7 @@ def fp8_format(name: str, element: format_math.Fp8Format) -> NumberFormat:
 
     def quantize(x: Tensor, spec: TensorQuantConfig, granularity: str, include_zero: bool = True) -> Tensor:
         return format_math.fp8_quantize(x, element, granularity=granularity, group_size=spec.group_size,
-                                    block_shape=tuple(spec.block_shape))
+                                        block_shape=tuple(spec.block_shape))
 
     def round_(x: Tensor, spec: TensorQuantConfig, scale: Tensor, zero: Tensor | None) -> Tensor:
         return format_math.fp8_quantize(x, element, scale=scale)
@@ -239,7 +239,8 @@ for _entry in (
     fp8_format("fp8_e5m2", "e5m2"),
     block_format("nvfp4", format_math.NVFP4_BLOCK_SIZE, format_math.nvfp4_quantize, format_math.E2M1_MAX, 4.0,
                  tensor_scale_bits=32.0),
-    block_format("mxfp4", 32, lambda x: format_math.mx_quantize(x, "fp4_e2m1", block_size=32), format_math.E2M1_MAX, 4.0),
+    block_format("mxfp4", 32, lambda x: format_math.mx_quantize(x, "fp4_e2m1", block_size=32),
+                 format_math.E2M1_MAX, 4.0),
     block_format("mxfp8", 32, lambda x: format_math.mx_quantize(x, "fp8_e4m3", block_size=32),
                  format_math.FP8_MAX["e4m3"], 8.0),
 ):

@@ -199,7 +199,7 @@ def gptq_quantize_weight(weight: Tensor, hessian: Tensor, spec: TensorQuantConfi
                 scale, zero = _qparams(W1[:, i:i + group], spec, dim=-1)
             w = W1[:, i]
             q = format_math.int_fake_quant(w.unsqueeze(1), scale, zero, spec.bits, symmetric=spec.symmetric,
-                                       full_range=full_range(spec))[:, 0]
+                                           full_range=full_range(spec))[:, 0]
             Q1[:, i] = q
             err = (w - q) / pivots[i]
             W1[:, i:].addr_(err, Hinv1[i, i:], alpha=-1.0)

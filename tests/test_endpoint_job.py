@@ -51,6 +51,8 @@ def test_a_served_candidate_pairs_with_the_reference_and_its_key_is_written_nowh
     assert result["scheme"] == f"external:endpoint-127.0.0.1-{server.httpd.server_address[1]}"
     assert result["candidate"]["candidate.method"] == "served"
     assert result["candidate"]["candidate.served_model"] == "tiny-served"
+    # the server names no local checkpoint: its bits are not known, and not reported as 16
+    assert "bits_per_weight" not in result["quant"] and "weight_gb" not in result["quant"]
     (results_dir,) = [d for d in (tmp_path / "results").iterdir() if (d / "summary.json").exists()]
     items = pd.read_parquet(results_dir / "items.parquet")
     assert set(items["output_type"]) == {"generate_until", "multiple_choice"}

@@ -126,9 +126,26 @@ class ServedCandidate:
         return served_divergence.empty_rows()
 
     def quant_report(self, reference_model: Any) -> Any:
+        """The served candidate's report: no weights seen (no SQNR), but its checkpoint's *stored* bits per
+        weight (``candidate.bits_per_weight``, read from the directory the server names) on the reference's
+        linears, so summary.json's ``quant.bits_per_weight``, the ledger and the decode floor count what
+        ships. Without a local checkpoint the bits are not known, and the report says so
+        (``bits_known`` false: the run's summary leaves them out)."""
         from harness.quant import QuantReport
+        from harness.quant.report import linear_census
 
         report = QuantReport(scheme=f"external:{served_name(self.cfg)}", method="served",
                              total_params=sum(p.numel() for p in reference_model.parameters()))
         report.notes.append(NOT_MEASURED)
+        bits = self.params.get("candidate.bits_per_weight")
+        if not isinstance(bits, (int, float)) or not bits > 0:
+            report.bits_known = False
+            return report
+        kept = [name for name in str(self.params.get("candidate.kept") or "").split(",") if name]
+        report.kept_params, report.output_head, report.input_embedding = linear_census(reference_model, kept)
+        for name, module in reference_model.named_modules():
+            weight = getattr(module, "weight", None)
+            if (hasattr(module, "out_features") and weight is not None and weight.dim() == 2
+                    and name != report.output_head and name not in kept):
+                report.add_stored_layer(name, int(weight.shape[0]), int(weight.shape[1]), float(bits))
         return report

@@ -38,6 +38,11 @@ class QuantReport:
     notes: list[str] = field(default_factory=list)
     coverage: Any = None  # harness.quant.coverage.CoverageAccount: every parameter's status
     moe: dict[str, Any] = field(default_factory=dict)  # experts: fused modules, fallback_experts, routers
+    bits_known: bool = True  # False: a served candidate whose stored bits are not known (summary leaves them out)
+
+    def add_stored_layer(self, name: str, out_features: int, in_features: int, bits_per_weight: float) -> None:
+        """A layer whose stored bits are known but whose weights were not seen (a served checkpoint): no SQNR."""
+        self.layers.append(LayerReport(name, out_features, in_features, bits_per_weight, math.nan, math.nan))
 
     def add_layer(self, name: str, original: Tensor, quantized: Tensor, bits_per_weight: float) -> None:
         original, quantized = original.detach().float(), quantized.detach().float()
@@ -76,11 +81,15 @@ class QuantReport:
             "bits_per_param_total": self.weight_bits / params,
             "weight_gb": self.weight_bits / 8 / 1e9,
             "quantized_fraction": self.quantized_params / params,
-            "sqnr_db_mean": sum(finite) / len(finite) if finite else math.inf,
-            "sqnr_db_min": min(finite) if finite else math.inf,
+            # no finite SQNR: every layer exact (inf), or none measured (nan: a served checkpoint's stored layers)
+            "sqnr_db_mean": sum(finite) / len(finite) if finite else self._no_sqnr(),
+            "sqnr_db_min": min(finite) if finite else self._no_sqnr(),
             "layers_quantized": len(self.layers),
             "quantize_s": self.seconds,
         }
+
+    def _no_sqnr(self) -> float:
+        return math.nan if any(math.isnan(l.sqnr_db) for l in self.layers) else math.inf
 
     def to_records(self) -> list[dict[str, Any]]:
         return [asdict(l) for l in self.layers]

@@ -51,7 +51,7 @@ def job_log(workdir: Path) -> str:
 
 
 def assert_final_table(text: str) -> None:
-    assert "tiny_random  ·  int4_g128" in text and "Δacc [95% CI]" in text
+    assert "tiny_random  ·  int4_g128" in text and "Δacc pt [95% CI]" in text
     assert f"generation capped at {CAP} tokens a reply" in text
     for name in ("overall", *SLICES):
         assert re.search(rf"^\s*{name}\s+\d+\s", text, re.M), name

@@ -43,9 +43,9 @@ def test_side_by_side_and_report_md_show_clusters_beside_n():
     assert table.loc["code", "KL mean ± SE"] == "–" and table.loc["math", "KL mean ± SE"] == "0.0100 ± 0.0020"
     result = {"run_name": "r", "scheme": "int4", "method": "rtn", "model": "m", "run_key": "k", "timings": {}}
     text = report.markdown(comparison, result)
-    sub_header = next(line for line in text.splitlines() if "sub_slice" in line)
+    sub_header = next(line for line in text.splitlines() if "sub-slice" in line)
     cells = [cell.strip() for cell in sub_header.strip("|").split("|")]
-    assert cells[cells.index("n") + 1] == "n_clusters"
+    assert cells[cells.index("n") + 1] == "clusters"
     sub_rows = [line for line in text.splitlines() if line.startswith("| math ") and "| a " in line]
     assert len(sub_rows) == 1 and [c.strip() for c in sub_rows[0].strip("|").split("|")][3] == "3"  # src0..src2
 
@@ -106,7 +106,7 @@ def test_kl_by_position_lists_buckets_per_slice_in_position_order_with_hand_chec
     se = math.sqrt(n * (n + 1) / 12) / math.sqrt(n) / 1e5
     assert float(long.loc["[128, 1024)", "KL mean ± SE"].split(" ± ")[1]) == pytest.approx(se, abs=5e-5)
     # top-1 differs exactly where position % 4 == 0: 31 of 127 positions in 1..127
-    assert float(long.loc["[0, 128)", "top-1 agree"].split(" ± ")[0]) == pytest.approx(1 - 31 / 127, abs=5e-4)
+    assert float(long.loc["[0, 128)", "top-1 agree %"].split(" ± ")[0]) == pytest.approx(100 * (1 - 31 / 127), abs=0.05)
 
 
 def test_report_md_has_the_kl_by_position_section():

@@ -244,8 +244,8 @@ def _accuracy_decision(row: dict[str, Any], cfg: GateConfig, correction: str) ->
                    f"false-pass rate at the margin exceeds α ({FEW_CLUSTER_FALSE_PASS})"]
     elif low > -margin and headroom < cfg.min_headroom:
         outcome = INCONCLUSIVE
-        reasons = [f"reference near floor/chance (acc_ref {row['acc_ref']:.3f} - chance {row['chance']:.3f} = "
-                   f"{headroom:.3f} < gate.min_headroom={cfg.min_headroom}): it cannot show a loss"]
+        reasons = [f"reference near floor/chance (acc ref {100 * row['acc_ref']:.1f} % - chance {100 * row['chance']:.1f} % "
+                   f"= {100 * headroom:.1f} pt < gate.min_headroom={cfg.min_headroom}): it cannot show a loss"]
     elif low > -margin:
         outcome = PASS
     else:
@@ -254,7 +254,7 @@ def _accuracy_decision(row: dict[str, Any], cfg: GateConfig, correction: str) ->
         if fail_high >= -margin and high < 0:
             reasons.append("a drop is shown, its size against the margin is not")
         if row["mde"] > margin and row.get("interval") != "sequence":
-            reasons.append(f"MDE {row['mde']:.3f} exceeds the margin {margin:.3f}")
+            reasons.append(f"MDE {100 * row['mde']:.1f} pt exceeds the margin {100 * margin:.1f} pt")
     # More items settle it unless Δ̂ is at/beyond the margin, the reference is at the floor, or clusters are few.
     settleable = bool(row["settleable"]) and row.get("interval") != "sequence"  # a sequence used what it had
     settles = outcome == INCONCLUSIVE and settleable and headroom >= cfg.min_headroom and clusters >= cfg.min_clusters
@@ -280,7 +280,7 @@ def _accuracy_decision(row: dict[str, Any], cfg: GateConfig, correction: str) ->
         numbers["items_total"] = int(row["items_total"])
         numbers["interval"] = "sequence"
     message = (f"{outcome}: delta {100 * row['delta']:+.1f} pt, {interval} "
-               f"vs margin -{100 * margin:.1f} pt ({adjusted} {100 * fail_high:+.1f}); acc_ref {row['acc_ref']:.3f}, "
+               f"vs margin -{100 * margin:.1f} pt ({adjusted} {100 * fail_high:+.1f}); acc ref {100 * row['acc_ref']:.1f} %, "
                + (f"n={n} of {row['items_total']} (sequential), clusters={clusters}"
                   if row.get("interval") == "sequence" else
                   f"n={n}, clusters={clusters}, non-inferiority p={_fmt(row['noninferiority_p'], '.3g')}, "

@@ -153,7 +153,7 @@ def _body(parsed: cli.Parsed[GateOptions]) -> int:
         raise GateInputError("several paths given: set out=<dir> for gate.json and gate.xml")
     json_path, xml_path = write(decision, out)
     shown = table(decision)
-    print(shown.to_markdown(index=False) if len(shown) else "(no slices gated)")
+    print(shown.to_markdown(index=False, disable_numparse=True) if len(shown) else "(no slices gated)")
     for note in decision.notes:
         print(f"\nnote: {note}")
     print(f"\ngate: {decision.outcome} (exit {decision.exit_code}); wrote {json_path} and {xml_path}")

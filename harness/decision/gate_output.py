@@ -10,6 +10,7 @@ import pandas as pd
 
 from harness.decision.criteria import FAIL, INCONCLUSIVE, GateDecision, _fmt
 from harness.infra.cache import atomic_write_json, atomic_write_text
+from harness.results.formatting import pct, points
 
 
 def junit_xml(decision: GateDecision) -> str:
@@ -56,13 +57,13 @@ def table(decision: GateDecision) -> pd.DataFrame:
                      "not by more items" if not x["settleable"] and c.outcome == INCONCLUSIVE
                      and x.get("interval") != "sequence" else "")
                 rows.append({"run": run.run_name, "slice": c.slice, "criterion": "accuracy", "outcome": c.outcome,
-                             "n": x["n"], "acc_ref": round(x["acc_ref"], 3), "detail": detail,
-                             "fail bound": f"{100 * x['fail_ci_high']:+.1f}", "p_ni": _fmt(x["noninferiority_p"], ".3g"),
-                             "mde_pt": round(100 * x["mde"], 1), "n_needed": n_needed, "why": "; ".join(c.reasons)})
+                             "n": x["n"], "acc ref %": pct(x["acc_ref"]), "Δ pt [CI] · margin": detail,
+                             "fail bound pt": points(x["fail_ci_high"]), "p_ni": _fmt(x["noninferiority_p"], ".3g"),
+                             "MDE pt": pct(x["mde"]), "n_needed": n_needed, "why": "; ".join(c.reasons)})
             else:
                 rows.append({"run": run.run_name, "slice": c.slice, "criterion": c.criterion, "outcome": c.outcome,
-                             "n": "", "acc_ref": "", "detail": c.message.split(": ", 1)[-1], "fail bound": "",
-                             "p_ni": "", "mde_pt": "", "n_needed": "", "why": "; ".join(c.reasons)})
+                             "n": "", "acc ref %": "", "Δ pt [CI] · margin": c.message.split(": ", 1)[-1],
+                             "fail bound pt": "", "p_ni": "", "MDE pt": "", "n_needed": "", "why": "; ".join(c.reasons)})
     return pd.DataFrame(rows)
 
 

@@ -56,6 +56,7 @@ from harness.job.reference import (
 )
 from harness.models import loading as models
 from harness.models import placement
+from harness.models.reference_label import describe_reference
 from harness.quant.calibration import check_format
 from harness.results import longgen, report, summary, tracking
 from harness.results.tracking import SWEEP_TAG
@@ -329,6 +330,8 @@ def write_results(job: Job, judged: Candidate, references: dict[str, SliceRefere
         not_evaluated = sequential_run.not_evaluated_frame(reference_records, answered)
         reference_records = reference_records[reference_records["item_id"].isin(answered)].reset_index(drop=True)
     items = summary.pair_items(reference_records, evaluated.records)
+    if "prompt" in reference_records:  # the prompt as the model saw it, in items.parquet and MLflow's item tables
+        items = items.merge(reference_records[["item_id", "prompt"]], on="item_id", how="left")
     if evaluated.placement is not None:
         items = items.merge(evaluated.placement, on="item_id", how="left")
     with timings.stage("write"):
@@ -342,7 +345,8 @@ def write_results(job: Job, judged: Candidate, references: dict[str, SliceRefere
     capacity_ledger = capacity(judged.loaded, judged.quant_report, cfg)
     result = summary_record(cfg, job.key, comparison, judged.quant_report, references, evaluated, timings,
                             judged.loaded)
-    result["quant"].update(capacity_ledger.metrics())
+    if judged.quant_report.bits_known:  # a served candidate with no local checkpoint: no bits, no ledger
+        result["quant"].update(capacity_ledger.metrics())
     result["reference_deferred"] = deferred  # read after evaluating: another job computed them
     result["runtime"] = job.runtime
     result["candidate"] = judged.params
@@ -492,9 +496,12 @@ def summary_record(cfg: RunConfig, key: str, comparison: summary.Comparison, qua
                    loaded: models.LoadedModel) -> dict[str, Any]:
     """The content of summary.json: identity, metrics, timings, quantization and bookkeeping."""
     quant_summary = {**quant_report.summary(), **ledger.decode_floor_metrics(decode_floor(quant_report, cfg))}
+    if not quant_report.bits_known:  # what the harness did not see is left out, not printed as 16 bits
+        quant_summary = {k: v for k, v in quant_summary.items() if k in ("layers_quantized", "quantize_s")}
     return {
         "run_key": key, "run_name": run_name(cfg), "model": cfg.model.name, "scheme": cfg.quant.name,
-        "method": cfg.quant.method, "slices": list(cfg.slices), "metrics": comparison.metrics(),
+        "reference": describe_reference(cfg.model), "method": cfg.quant.method, "slices": list(cfg.slices),
+        "metrics": comparison.metrics(),
         "timings": {**timings.stages, **{f"model_{k}": v for k, v in loaded.timings.items()}},
         "quant": quant_summary, "reference_cached": {n: r.cached for n, r in references.items()},
         "lm_eval_aggregates": {"reference": {k: v for r in references.values() for k, v in r.aggregates.items()},

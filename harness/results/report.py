@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.results.formatting import MISSING, count, delta_ci, flips, lower_bound_mark, num, pm
+from harness.results.formatting import MISSING, count, flips, lower_bound_mark, num, pct, pct_pm, pm, points
 from harness.results.summary import Comparison
 
 
@@ -22,8 +22,8 @@ def side_by_side(comparison: Comparison) -> pd.DataFrame:
         tok_row = tok.iloc[0].to_dict() if len(tok) else {}
         rows.append({
             "slice": name, "n": int(row["n"]), "clusters": count(row.get("n_clusters")),
-            "acc ref": num(row["acc_ref"]), "acc quant": num(row["acc_quant"]),
-            "Δacc [95% CI]": delta_ci(row["delta"], row["delta_ci_low"], row["delta_ci_high"]),
+            "acc ref %": pct(row["acc_ref"]), "acc quant %": pct(row["acc_quant"]),
+            "Δacc pt [95% CI]": points(row["delta"], row["delta_ci_low"], row["delta_ci_high"]),
             "flips r→w / w→r": flips(row["flips_right_to_wrong"], row["flips_wrong_to_right"]),
             "p (adj)": f"{num(row['delta_p'])} ({num(row['delta_p_adj'])})",
             "verdict": row.get("verdict", ""),
@@ -31,7 +31,7 @@ def side_by_side(comparison: Comparison) -> pd.DataFrame:
             "KL on": (tok_row["kl_on"] if isinstance(tok_row.get("kl_on"), str) else MISSING)
             + (", top-k lower bound" if lower_bound_mark(tok_row) else ""),
             "KL plain text": num(tok_row.get("kl_plain_mean"), ".4f"),
-            "top-1 agree": num(tok_row.get("top1_agree")),
+            "top-1 agree %": pct(tok_row.get("top1_agree")),
             "PPL ref → quant": f"{num(tok_row.get('ppl_ref'), '.2f')} → {num(tok_row.get('ppl_quant'), '.2f')}",
         })
     return pd.DataFrame(rows)
@@ -58,8 +58,7 @@ def print_comparison(comparison: Comparison, result: dict) -> None:
     table = side_by_side(comparison)
     quant = result.get("quant", {})
     print()
-    print(f"{result['model']}  ·  {result['scheme']} ({num(quant.get('bits_per_weight'), '.3f')} bits/weight"
-          f"{uncovered_note(quant)})  vs  unquantized reference")
+    print(f"{result['model']}  ·  {result['scheme']} ({bits_phrase(quant)}{uncovered_note(quant)})  vs  {result.get('reference', 'the reference')}")
     print(table.to_string(index=False))
     for line in divergence_lines(result) + simulation_lines(result) + coverage_lines(result) + router_lines(result):
         print(line)
@@ -69,6 +68,12 @@ def print_comparison(comparison: Comparison, result: dict) -> None:
     for line in sequential_lines(result):
         print(line)
     print()
+
+
+def bits_phrase(quant: dict) -> str:
+    """``4.135 bits/weight``; a served candidate whose checkpoint the harness cannot read says so."""
+    bits = quant.get("bits_per_weight")
+    return "bits/weight not known: no local checkpoint" if bits is None else f"{num(bits, '.3f')} bits/weight"
 
 
 def uncovered_note(quant: dict) -> str:
@@ -140,9 +145,6 @@ def markdown(comparison: Comparison, result: dict, kl_plot: str | None = None) -
     under the KL-by-position table (None: no image line)."""
     timings = ", ".join(f"{k} {v:.1f}s" for k, v in result.get("timings", {}).items())
     sub = comparison.item_stats[comparison.item_stats["level"] == "sub_slice"]
-    sub_cols = [c for c in ["slice", "sub_slice", "n", "n_clusters", "acc_ref", "acc_quant", "delta", "delta_ci_low",
-                            "delta_ci_high", "flips_right_to_wrong", "flips_wrong_to_right", "delta_p_adj"]
-                if c in sub.columns]
     return "\n".join([
         f"# {result['run_name']}", "",
         f"Scheme `{result['scheme']}` ({result.get('method', '')}) on `{result['model']}`; run key `{result['run_key']}`.",
@@ -150,12 +152,24 @@ def markdown(comparison: Comparison, result: dict, kl_plot: str | None = None) -
         *[f"{line}.\n" for line in divergence_lines(result) + simulation_lines(result)],
         *moe_markdown(result),
         *([*sequential_markdown(result), "", "![sequence](sequence.png)", ""] if result.get("sequential") else []),
-        "## Sub-slices", "", sub[sub_cols].to_markdown(index=False, floatfmt=".3f"), "",
+        "## Sub-slices", "", sub_slice_rows(sub).to_markdown(index=False) if len(sub) else "(no sub-slices)", "",
         "## Generation divergence", "", comparison.generation.to_markdown(index=False, floatfmt=".3f"), "",
         "## KL by position", "", KL_BY_POSITION_NOTE, "", _markdown_or_none(kl_by_position(comparison)), "",
         *([f"![KL by position]({kl_plot})", ""] if kl_plot else []),
         f"Timings: {timings}", "",
     ])
+
+
+def sub_slice_rows(sub: pd.DataFrame) -> pd.DataFrame:
+    """report.md's sub-slice table: accuracies in percent, Δ in points with its interval (one unit with the
+    headline table)."""
+    return pd.DataFrame([{
+        "slice": r["slice"], "sub-slice": r["sub_slice"], "n": int(r["n"]), "clusters": count(r.get("n_clusters")),
+        "acc ref %": pct(r["acc_ref"]), "acc quant %": pct(r["acc_quant"]),
+        "Δacc pt [CI]": points(r["delta"], r["delta_ci_low"], r["delta_ci_high"]),
+        "flips r→w / w→r": flips(r["flips_right_to_wrong"], r["flips_wrong_to_right"]),
+        "p adj": num(r.get("delta_p_adj"), ".3g"),
+    } for r in sub.to_dict("records")])
 
 
 def sequential_markdown(result: dict) -> list[str]:
@@ -210,9 +224,9 @@ def kl_by_position(comparison: Comparison) -> pd.DataFrame:
         out.append({"slice": row["slice"], "positions": row["bucket"], "tokens": count(row.get("n_tokens")),
                     "KL mean ± SE": lower_bound_mark(row) + pm(row.get("kl_mean"), row.get("kl_se")),
                     "KL p99": lower_bound_mark(row) + num(row.get("kl_p99"), ".4f"),
-                    "top-1 agree": pm(row.get("top1_agree"), row.get("top1_agree_se"), ".3f"),
+                    "top-1 agree %": pct_pm(row.get("top1_agree"), row.get("top1_agree_se")),
                     "PPL ratio": num(row.get("ppl_ratio"), ".4f")})
-    return pd.DataFrame(out, columns=["slice", "positions", "tokens", "KL mean ± SE", "KL p99", "top-1 agree",
+    return pd.DataFrame(out, columns=["slice", "positions", "tokens", "KL mean ± SE", "KL p99", "top-1 agree %",
                                       "PPL ratio"])
 
 

@@ -54,8 +54,8 @@ def forest(stats: pd.DataFrame, labels: list[str], *, margin: float | None, titl
         members = rows[rows["_name"] == group]
         for _, row in members.iterrows():
             colour = colours[row["label"]]
-            low, high = row["delta_ci_low"], row["delta_ci_high"]
-            ax.errorbar(row["delta"], -y, xerr=[[max(0.0, row["delta"] - low)], [max(0.0, high - row["delta"])]],
+            delta, low, high = (100 * row[c] for c in ("delta", "delta_ci_low", "delta_ci_high"))  # points
+            ax.errorbar(delta, -y, xerr=[[max(0.0, delta - low)], [max(0.0, high - delta)]],
                         fmt="o", color=colour, markerfacecolor=colour if row["significant"] else "white",
                         capsize=3, markersize=5)
             ticks.append(-y)
@@ -64,10 +64,10 @@ def forest(stats: pd.DataFrame, labels: list[str], *, margin: float | None, titl
         y += 0.6
     ax.axvline(0, color="black", linewidth=0.8)
     if margin:
-        ax.axvspan(-margin, margin, color="tab:green", alpha=0.12, label=f"±margin ({100 * margin:g} pt)")
+        ax.axvspan(-100 * margin, 100 * margin, color="tab:green", alpha=0.12, label=f"±margin ({100 * margin:g} pt)")
         ax.legend(loc="lower right", fontsize=8)
     ax.set_yticks(ticks, tick_labels, fontsize=8)
-    ax.set_xlabel("Δ accuracy (quantized − reference), clustered score interval")
+    ax.set_xlabel("Δ accuracy, points (quantized − reference), clustered score interval")
     ax.set_title(title, fontsize=10)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()

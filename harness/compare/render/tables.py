@@ -7,7 +7,7 @@ import math
 import pandas as pd
 
 from harness.compare.analysis import ComparisonReport
-from harness.results.formatting import count, delta_ci, flips, lower_bound_mark, num, pm
+from harness.results.formatting import count, flips, lower_bound_mark, num, pct, pct_pm, pm, points
 
 __all__ = ["PARITY_LEGEND", "caption", "detail_table", "matrix_table", "method_note", "parity_markdown",
            "position_table", "runs_table", "sub_slice_table"]
@@ -22,7 +22,7 @@ CAPTIONS = {
 
 
 def _delta(row: dict) -> str:
-    return delta_ci(row["delta"], row["delta_ci_low"], row["delta_ci_high"])
+    return points(row["delta"], row["delta_ci_low"], row["delta_ci_high"])
 
 
 def detail_table(report: ComparisonReport) -> pd.DataFrame:
@@ -34,21 +34,21 @@ def detail_table(report: ComparisonReport) -> pd.DataFrame:
     for row in report.headline().to_dict("records"):
         rows.append({
             "slice": row["slice"], "scheme": row["label"], "n": int(row["n"]), "clusters": count(row.get("n_clusters")),
-            "acc ref": num(row["acc_ref"]), "acc quant": num(row["acc_quant"]),
-            "Δacc [CI]": _delta(row),
+            "acc ref %": pct(row["acc_ref"]), "acc quant %": pct(row["acc_quant"]),
+            "Δacc pt [CI]": _delta(row),
             "flips r→w / w→r": flips(row["flips_right_to_wrong"], row["flips_wrong_to_right"]),
-            "flip rate [CI]": f"{num(row['flip_rate'])} [{num(row['flip_rate_ci_low'])}, "
-                              f"{num(row['flip_rate_ci_high'])}]",
+            "flip rate % [CI]": f"{pct(row['flip_rate'])} [{pct(row['flip_rate_ci_low'])}, "
+                                f"{pct(row['flip_rate_ci_high'])}]",
             "p": num(row["delta_p"], ".3g"), "p adj": num(row["delta_p_adj"], ".3g"),
             "sig. (adj)": "yes" if row["significant"] else "no",
             "verdict": row["verdict"],
-            "MDE": num(row["mde"]), "n for margin": count(row.get("n_needed")),
+            "MDE pt": pct(row["mde"]), "n for margin": count(row.get("n_needed")),
             "KL mean ± SE": lower_bound_mark(row) + pm(row.get("kl_mean"), row.get("kl_se")),
             "KL p99": lower_bound_mark(row) + num(row.get("kl_p99"), ".4f"),
             "KL(q‖r) mean": lower_bound_mark(row) + num(row.get("kl_reverse_mean"), ".4f"),
-            "top-1 agree": pm(row.get("top1_agree"), row.get("top1_agree_se"), ".3f"),
+            "top-1 agree %": pct_pm(row.get("top1_agree"), row.get("top1_agree_se")),
             "PPL ratio ± SE": pm(row.get("ppl_ratio"), row.get("ppl_ratio_se")),
-            "gen identical": num(row.get("identical_rate")),
+            "gen identical %": pct(row.get("identical_rate")),
             "gen 1st diff": num(row.get("first_diff_mean"), ".1f"),
         })
     return pd.DataFrame(rows)
@@ -79,8 +79,8 @@ def sub_slice_table(report: ComparisonReport) -> pd.DataFrame:
     sub = report.item_stats[report.item_stats["level"] == "sub_slice"]
     return pd.DataFrame([{
         "slice": r["slice"], "sub-slice": r["sub_slice"], "scheme": r["label"], "n": int(r["n"]),
-        "clusters": count(r.get("n_clusters")), "acc ref": num(r["acc_ref"]), "acc quant": num(r["acc_quant"]),
-        "Δacc [CI]": _delta(r),
+        "clusters": count(r.get("n_clusters")), "acc ref %": pct(r["acc_ref"]), "acc quant %": pct(r["acc_quant"]),
+        "Δacc pt [CI]": _delta(r),
         "r→w / w→r": flips(r["flips_right_to_wrong"], r["flips_wrong_to_right"]),
         "p adj": num(r["delta_p_adj"], ".3g"), "verdict": r["verdict"],
     } for r in sub.sort_values(["slice", "sub_slice"]).to_dict("records")])
@@ -98,7 +98,7 @@ def position_table(report: ComparisonReport) -> pd.DataFrame:
         "slice": r["slice"], "positions": r["bucket"], "scheme": r["label"], "tokens": int(r["n_tokens"]),
         "KL mean ± SE": lower_bound_mark(r) + pm(r["kl_mean"], r["kl_se"]),
         "KL p99": lower_bound_mark(r) + num(r["kl_p99"], ".4f"),
-        "top-1 agree": num(r["top1_agree"]), "PPL ratio": num(r["ppl_ratio"], ".4f"),
+        "top-1 agree %": pct(r["top1_agree"]), "PPL ratio": num(r["ppl_ratio"], ".4f"),
     } for r in part.to_dict("records")])
 
 
@@ -116,8 +116,8 @@ def method_note(report: ComparisonReport) -> str:
     o = report.options
     correction = {"holm": "Holm (family-wise)", "bh": "Benjamini–Hochberg (FDR)", "none": "no"}[o.correction]
     margin = "no margin" if o.margin is None else f"margin {100 * o.margin:g} pt"
-    return (f"Paired per-item comparison of each scheme with its unquantized reference. Δ = accuracy(quant) − "
-            f"accuracy(ref); its {100 * o.ci_level:g}% interval, its p-value (H0 Δ = 0) and the verdict all come from "
+    return (f"Paired per-item comparison of each scheme with its reference (the model as the run loaded it). "
+            f"Accuracies and rates in percent, Δ = accuracy(quant) − accuracy(ref) in percentage points; its {100 * o.ci_level:g}% interval, its p-value (H0 Δ = 0) and the verdict all come from "
             f"one clustered paired score test (Tango's score statistic with a cluster-robust null variance, t on "
             f"G − 1 df); verdicts are read off the interval shown, at {margin}. {correction} correction of the p-values "
             f"across all {report.n_tests()} tests of this comparison (every scheme, slice and sub-slice), alpha "
@@ -145,18 +145,18 @@ def parity_markdown(table: pd.DataFrame) -> str:
         return "–" if value is None or math.isnan(value) else format(value, spec)
 
     def interval(estimate: float, low: float, high: float) -> str:
-        return "–" if math.isnan(estimate) else f"{estimate:+.3f} [{low:+.3f}, {high:+.3f}]"
+        return "–" if math.isnan(estimate) else points(estimate, low, high)
 
     rows = []
     for row in table.to_dict("records"):
         rows.append({
-            "slice": row["slice"], "n": row["n"], "acc sim": number(row["acc_sim"], ".3f"),
-            "acc served": number(row["acc_served"], ".3f"),
-            "Δ served − sim [CI]": interval(row["delta"], row["delta_ci_low"], row["delta_ci_high"]),
+            "slice": row["slice"], "n": row["n"], "acc sim %": pct(row["acc_sim"]),
+            "acc served %": pct(row["acc_served"]),
+            "Δ served − sim pt [CI]": interval(row["delta"], row["delta_ci_low"], row["delta_ci_high"]),
             "flips sim→served r→w / w→r": f"{row['sim_right_served_wrong']} / {row['sim_wrong_served_right']}",
-            "disagree sim/served": number(row["disagree_sim_served"], ".3f"),
-            "disagree floor": number(row["disagree_floor"], ".3f"),
-            "excess over floor [CI]": interval(row["excess"], row["excess_ci_low"], row["excess_ci_high"]),
+            "disagree sim/served %": pct(row["disagree_sim_served"]),
+            "disagree floor %": pct(row["disagree_floor"]),
+            "excess over floor pt [CI]": interval(row["excess"], row["excess_ci_low"], row["excess_ci_high"]),
             "flag": {True: "EXCEEDS FLOOR", False: "not shown beyond floor"}.get(row["exceeds_floor"], "no floor run"),
             "KL sim": number(row["kl_sim"], ".4f"), "KL served": number(row["kl_served"], ".4f"),
             "KL floor": number(row["kl_floor"], ".4f")})

@@ -6,8 +6,8 @@ from harness.compare.render.tables import detail_table
 
 __all__ = ["TERMINAL_COLUMNS", "terminal_table"]
 
-TERMINAL_COLUMNS = ["slice", "scheme", "n", "clusters", "acc ref", "acc quant", "Δacc [CI]", "flips r→w / w→r",
-                    "p adj", "verdict", "KL mean ± SE", "top-1 agree"]
+TERMINAL_COLUMNS = ["slice", "scheme", "n", "clusters", "acc ref %", "acc quant %", "Δacc pt [CI]", "flips r→w / w→r",
+                    "p adj", "verdict", "KL mean ± SE", "top-1 agree %"]
 
 
 def terminal_table(report: ComparisonReport) -> str:

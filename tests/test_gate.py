@@ -314,3 +314,13 @@ def test_a_kl_lower_bound_can_fail_a_kl_gate_but_never_pass_it(tmp_path):
     assert failed.outcome == "fail" and "lower bound" in failed.message
     unknown = outcome_of(gate.decide([below], cfg), "s", "kl_mean")
     assert unknown.outcome == "inconclusive" and "cannot show" in unknown.message
+
+
+def test_two_runs_of_one_config_are_labelled_by_their_directories(tmp_path, capsys):
+    """results/ after a fresh default job holds it beside results/example: same run name, two rows groups."""
+    write_run(tmp_path / "a", slice_items("s", *scores(400, 320, 2, 2)))
+    write_run(tmp_path / "b", slice_items("s", *scores(400, 320, 60, 0)))
+    assert gate.main([str(tmp_path)]) == 1
+    runs = [line for line in capsys.readouterr().out.splitlines() if line.startswith("run ")]
+    assert len(runs) == 2 and runs[0] != runs[1]
+    assert all(line.endswith(("/a)", "/b)")) for line in runs), runs

@@ -83,7 +83,7 @@ from harness.decision.gate_inputs import (  # noqa: F401
     load_run,
     run_identity,
 )
-from harness.decision.gate_output import junit_xml, table, write  # noqa: F401
+from harness.decision.gate_output import junit_xml, render, table, write  # noqa: F401
 from harness.results.tracking import SWEEP_TAG
 
 log = logging.getLogger("harness.gate")
@@ -152,11 +152,7 @@ def _body(parsed: cli.Parsed[GateOptions]) -> int:
     else:
         raise GateInputError("several paths given: set out=<dir> for gate.json and gate.xml")
     json_path, xml_path = write(decision, out)
-    shown = table(decision)
-    print(shown.to_markdown(index=False, disable_numparse=True) if len(shown) else "(no slices gated)")
-    for note in decision.notes:
-        print(f"\nnote: {note}")
-    print(f"\ngate: {decision.outcome} (exit {decision.exit_code}); wrote {json_path} and {xml_path}")
+    print(render(decision, json_path, xml_path))
     return decision.exit_code
 
 

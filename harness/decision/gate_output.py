@@ -39,9 +39,17 @@ def junit_xml(decision: GateDecision) -> str:
     return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
 
 
+def run_labels(decision: GateDecision) -> list[str]:
+    """Each run's label in the table: its run name, with its directory where two gated runs share a name
+    (two runs of one config, e.g. results/example beside a fresh default job)."""
+    names = [run.run_name for run in decision.runs]
+    return [f"{run.run_name} ({run.directory})" if names.count(run.run_name) > 1 else run.run_name
+            for run in decision.runs]
+
+
 def table(decision: GateDecision) -> pd.DataFrame:
     rows = []
-    for run in decision.runs:
+    for run, label in zip(decision.runs, run_labels(decision)):
         for c in run.criteria:
             x = c.numbers
             if c.criterion == "accuracy_noninferiority":
@@ -56,15 +64,36 @@ def table(decision: GateDecision) -> pd.DataFrame:
                     (f"fail at ~{x['n_fail']}" if x.get("n_fail") is not None else  # a pass is out of reach
                      "not by more items" if not x["settleable"] and c.outcome == INCONCLUSIVE
                      and x.get("interval") != "sequence" else "")
-                rows.append({"run": run.run_name, "slice": c.slice, "criterion": "accuracy", "outcome": c.outcome,
+                rows.append({"run": label, "slice": c.slice, "criterion": "accuracy", "outcome": c.outcome,
                              "n": x["n"], "acc ref %": pct(x["acc_ref"]), "Δ pt [CI] · margin": detail,
                              "fail bound pt": points(x["fail_ci_high"]), "p_ni": _fmt(x["noninferiority_p"], ".3g"),
                              "MDE pt": pct(x["mde"]), "n_needed": n_needed, "why": "; ".join(c.reasons)})
             else:
-                rows.append({"run": run.run_name, "slice": c.slice, "criterion": c.criterion, "outcome": c.outcome,
+                rows.append({"run": label, "slice": c.slice, "criterion": c.criterion, "outcome": c.outcome,
                              "n": "", "acc ref %": "", "Δ pt [CI] · margin": c.message.split(": ", 1)[-1],
                              "fail bound pt": "", "p_ni": "", "MDE pt": "", "n_needed": "", "why": "; ".join(c.reasons)})
     return pd.DataFrame(rows)
+
+
+SHOWN = ["slice", "criterion", "outcome", "n", "acc ref %", "Δ pt [CI] · margin", "fail bound pt", "MDE pt", "n_needed"]
+
+
+def render(decision: GateDecision, json_path: Path | str, xml_path: Path | str) -> str:
+    """What ``python -m harness.gate`` prints: per run its name, then one row per gated slice and criterion
+    (percent and points), then each row's reasons, the notes, and the outcome line with the exit code."""
+    shown = table(decision)
+    if shown.empty:
+        lines = ["(no slices gated)"]
+    else:
+        lines = []
+        for run_name, rows in shown.groupby("run", sort=False):
+            lines += [f"run {run_name}", rows[SHOWN].to_string(index=False), ""]
+            lines += [f"  {row['slice']} ({row['criterion']}): {row['why']}" for row in rows.to_dict("records")
+                      if row["why"]]
+            lines.append("")
+    lines += [f"note: {note}\n" for note in decision.notes]
+    lines.append(f"gate: {decision.outcome} (exit {decision.exit_code}); wrote {json_path} and {xml_path}")
+    return "\n".join(lines)
 
 
 def write(decision: GateDecision, out: Path) -> tuple[Path, Path]:

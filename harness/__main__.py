@@ -35,9 +35,11 @@ def interrupted_message(cfg: DictConfig) -> str:
 def main(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
 
+    from harness.config import name_what_ran
     from harness.job import disk
     from harness.job.pipeline import run
 
+    name_what_ran(cfg, list(HydraConfig.get().overrides.task))  # an overridden scheme's name says so
     try:
         with joblog.job_console(verbose=bool(HydraConfig.get().verbose)):
             result = run(cfg)
@@ -56,7 +58,8 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    problem = cli.group_option_problem(sys.argv[1:])
-    if problem:
-        sys.exit(cli.fail(problem))
+    try:  # your config directories and model=hf:<id> (harness.infra.presets), checked before Hydra composes
+        sys.argv[1:] = cli.prepare_main_args(sys.argv[1:])
+    except cli.UsageError as exc:
+        sys.exit(cli.fail(str(exc)))
     main()

@@ -24,6 +24,7 @@ import logging
 import re
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Generic, Sequence, TypeVar
 
 from omegaconf import OmegaConf
@@ -70,9 +71,16 @@ def _field_names(schema: type) -> set[str]:
 
 
 def group_option_problem(overrides: Sequence[str]) -> str | None:
-    """Name unknown config-group options and list the available ones (Hydra does not for lists)."""
-    from harness.config import CONF_DIR, moved_settings_problem
+    """Name unknown config-group options and list the available ones with where each comes from (Hydra does not
+    for lists): the package's presets, those of your config directories (``--config-dir``, ``hydra.searchpath``,
+    ``$HARNESS_CONFIG_PATH``: :mod:`harness.infra.presets`), and for a model ``hf:<hub id or directory>``."""
+    from harness.config import moved_settings_problem
+    from harness.infra import presets
 
+    try:
+        dirs = presets.requested(overrides)
+    except UsageError as exc:
+        return str(exc)
     for arg in overrides:
         moved = moved_settings_problem(arg.split("=", 1)[0])
         if moved:
@@ -81,12 +89,30 @@ def group_option_problem(overrides: Sequence[str]) -> str | None:
         if not match:
             continue
         group, value = match.groups()
-        options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+        options = presets.presets(group, dirs)
         chosen = [v.strip() for v in value.strip("[]").split(",") if v.strip()]
-        unknown = [v for v in chosen if v not in options]
+        unknown = [v for v in chosen if v not in options and not (group == "model" and v.startswith(presets.HUB_PREFIX))]
         if unknown:
-            return f"unknown {group} option(s) {unknown}; available {group} options: {', '.join(options)}"
+            return f"unknown {group} option(s) {unknown}; available {group} options: " \
+                   f"{presets.describe_options(group, dirs)}"
     return None
+
+
+def prepare_main_args(argv: Sequence[str]) -> list[str]:
+    """``python -m harness``'s arguments before Hydra reads them: ``model.path=DIR`` alone becomes
+    ``model=hf:DIR``; your config directories are put on Hydra's search path (before the package's); an unknown
+    group option is a :class:`UsageError`; your presets that shadow packaged ones are said in one line (stderr)."""
+    from harness.infra import presets
+
+    argv = presets.expand_model_path(argv)
+    problem = group_option_problem(argv)
+    if problem:
+        raise UsageError(problem)
+    dirs = presets.activate(presets.requested(argv))
+    note = presets.shadow_note(dirs)
+    if note:
+        print(note, file=sys.stderr)
+    return argv
 
 
 def compose_run(overrides: Sequence[str]):
@@ -95,6 +121,7 @@ def compose_run(overrides: Sequence[str]):
 
     from harness.config import compose
 
+    overrides = _config_dir_as_searchpath(overrides)
     problem = group_option_problem(overrides)
     if problem:
         raise UsageError(problem)
@@ -132,6 +159,7 @@ def parse(tool: Tool[T], argv: Sequence[str]) -> Parsed[T]:
     overrides: list[str] = []
     bare: list[str] = []
     flags: set[str] = set()
+    argv = _config_dir_as_searchpath(argv) if tool.run_config else list(argv)
     for arg in argv:
         if arg in tool.flags:
             flags.add(arg)
@@ -166,14 +194,48 @@ def parse(tool: Tool[T], argv: Sequence[str]) -> Parsed[T]:
     return parsed
 
 
+def _config_dir_as_searchpath(argv: Sequence[str]) -> list[str]:
+    """``--config-dir DIR`` (``-cd DIR``, ``--config-dir=DIR``) as ``python -m harness`` takes it: your config
+    directory first on the search path, here written as the first entry of ``hydra.searchpath``."""
+    dirs: list[str] = []
+    rest: list[str] = []
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg in ("--config-dir", "-cd"):
+            if i + 1 >= len(args):
+                raise UsageError(f"{arg} needs a directory: {arg} DIR")
+            dirs.append(args[i + 1])
+            i += 2
+            continue
+        if arg.startswith("--config-dir="):
+            dirs.append(arg.split("=", 1)[1])
+        else:
+            rest.append(arg)
+        i += 1
+    if not dirs:
+        return rest
+    from harness.infra import presets
+
+    entries = [f"file://{Path(d).expanduser().resolve()}" for d in dirs]
+    for j, arg in enumerate(rest):
+        key, sep, value = arg.partition("=")
+        if sep and key.lstrip("+") == "hydra.searchpath":
+            rest[j] = f"hydra.searchpath=[{','.join(entries + presets.searchpath_value(value))}]"
+            return rest
+    return [*rest, f"hydra.searchpath=[{','.join(entries)}]"]
+
+
 def _describe_type(annotation: Any) -> str:
     text = getattr(annotation, "__name__", None) or str(annotation)
     return text.replace("typing.", "")
 
 
-def help_text(tool: Tool) -> str:
-    """Usage, the options with their types, defaults and comments, and the run-config groups."""
-    from harness.config import CONF_DIR
+def help_text(tool: Tool, argv: Sequence[str] = ()) -> str:
+    """Usage, the options with their types, defaults and comments, and the run-config groups with every preset and
+    where it comes from (the package, or a config directory of yours that ``argv`` or the environment names)."""
+    from harness.infra import presets
 
     usage = [tool.prog]
     if tool.positional:
@@ -195,10 +257,27 @@ def help_text(tool: Tool) -> str:
     if tool.run_config:
         lines.append("")
         lines.append("run config (as `python -m harness`; `python -m harness --cfg job` prints every key):")
+        try:
+            dirs = presets.requested(argv)
+        except UsageError:
+            dirs = []
         for group in _GROUPS:
-            options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
-            lines.append(f"  {group}=  {', '.join(options)}")
+            lines.append(f"  {group}=  {presets.describe_options(group, dirs)}")
+        lines.append("  your own presets: --config-dir DIR, hydra.searchpath=[file://DIR] or "
+                     f"${presets.ENV_VAR} (docs/guides/your-own-presets.md)")
     return "\n".join(lines)
+
+
+def _say_shadowed(overrides: Sequence[str]) -> None:
+    """One line on stderr when your presets shadow packaged ones of the same name."""
+    from harness.infra import presets
+
+    try:
+        note = presets.shadow_note(presets.requested(overrides))
+    except UsageError:
+        return  # said when the run config is composed
+    if note:
+        print(note, file=sys.stderr)
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -222,13 +301,15 @@ def main(tool: Tool[T], body: Callable[[Parsed[T]], int | None], argv: Sequence[
     verbose = any(a in _VERBOSE for a in argv)
     argv = [a for a in argv if a not in _VERBOSE]
     if any(a in _HELP for a in argv):
-        print(help_text(tool))
+        print(help_text(tool, argv))
         return 0
     try:
         parsed = parse(tool, argv)
     except UsageError as exc:
         fail(str(exc))
         return tool.bad_input_status
+    if tool.run_config:
+        _say_shadowed(parsed.overrides)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     from harness.infra.joblog import job_console

@@ -52,6 +52,15 @@ class ModelConfig:
     # layer's input size is allowed (shorter last group) or refused as a config error.
     ragged_groups: bool = False
     tiny: Optional[TinyModelConfig] = None  # only for source=tiny_random
+    # How the model thinks before it answers (harness.evaluation.thinking): none (every reply is an answer) | tags
+    # (a trace between think_start and think_end, the answer after it) | harmony (gpt-oss: analysis, then final channel)
+    thinking: str = "none"
+    # The trace's opening tag (thinking=tags); a chat template that opens it at the end of the prompt counts (R1)
+    think_start: str = "<think>"
+    # The tag the answer follows (thinking=tags); a reply that never writes it is an unclosed trace, scored wrong
+    think_end: str = "</think>"
+    # Passed as enable_thinking to the chat template of both sides (Qwen3); null: not passed (the template's default)
+    enable_thinking: Optional[bool] = None
 
     def __post_init__(self) -> None:
         from harness.infra.devices import normalize
@@ -220,6 +229,9 @@ class EvalConfig:
     # reference entry) and says so on the console. A random-weight model never stops, so its generation
     # always runs to the cap: the test suite's tiny jobs use it.
     max_gen_toks: Optional[int] = None
+    # Tokens added to every generation task's max_gen_toks for the trace when model.thinking is on, on both sides
+    # (eval.max_gen_toks still caps the total); a reply whose trace has not closed by then is scored wrong
+    thinking_budget: int = 4096
     position_buckets: list[int] = field(default_factory=lambda: [0, 128, 512, 1024, 2048, 4096, 8192])
     # Sequential evaluation (harness.evaluation.sequential_run): the candidate answers each slice's items in rounds of
     # whole clusters (seeded random order) and a slice stops once its anytime-valid confidence sequence
@@ -332,9 +344,13 @@ class RunConfig:
 
 
 def register_configs() -> None:
-    """Register the schemas so that conf/ files are validated against them."""
+    """Register the schemas so that conf/ files are validated against them, and the search path of your own
+    config directories and of ``model=hf:<id>`` (harness.infra.presets) with Hydra."""
+    from harness.infra import presets
+
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
+    presets.register_with_hydra()
 
 
 REPO_DIR = __import__("pathlib").Path(__file__).resolve().parents[1]
@@ -371,18 +387,81 @@ def compose(overrides: list[str] | None = None, config_name: str = "config"):
     from omegaconf.errors import OmegaConfBaseException
 
     from harness.errors import UsageError
+    from harness.infra import presets
 
     register_configs()
+    overrides = presets.expand_model_path(list(overrides or []))
+    presets.activate(presets.requested(overrides))  # your config directories, before Hydra builds its search path
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         try:
-            return hydra_compose(config_name=config_name, overrides=list(overrides or []))
+            cfg = hydra_compose(config_name=config_name, overrides=overrides)
         except (HydraException, OmegaConfBaseException) as error:
             problem = moved_settings_problem(str(error))
             if problem is None:
                 raise
             raise UsageError(problem) from error
+    name_what_ran(cfg, overrides)
+    return cfg
+
+
+def scheme_name(quant: Any, overrides: list[str]) -> str | None:
+    """The name of a scheme whose fields ``overrides`` change: ``<preset>+<field>=<value>...``, fields sorted; None
+    when none is changed or when ``quant.name`` is given (a scheme named by its user keeps that name).
+
+    ``quant`` is the composed scheme (its values are what the name shows, e.g. ``int8+weights.format=toy_int3``);
+    a sub-group choice (``+quant/kv_cache=fp8_dynamic``) counts as a field. So two runs whose schemes differ in a
+    field never share a name, and a results directory, report, MLflow run and comparison say what ran.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    changed: dict[str, str] = {}
+    for override in OverridesParser.create().parse_overrides(list(overrides)):
+        key = override.key_or_group
+        if key.startswith("quant/"):  # a sub-group of the scheme, e.g. quant/kv_cache
+            field_name, shown = key[len("quant/"):], override.value()
+        elif key.startswith("quant."):
+            field_name = key[len("quant."):]
+            if field_name == "name":
+                return None
+            shown = None if override.is_delete() else OmegaConf.select(quant, field_name, default=None)
+        else:
+            continue
+        changed[field_name] = _compact(shown)
+    if not changed:
+        return None
+    return "+".join([str(quant.name), *(f"{k}={v}" for k, v in sorted(changed.items()))])
+
+
+def _compact(value: Any) -> str:
+    """A value as a name shows it: null, 3, toy_int3, [a,b], {bits:3}."""
+    if OmegaConf.is_config(value):
+        value = OmegaConf.to_container(value, resolve=True)
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_compact(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_compact(v) for v in value) + "]"
+    return str(value)
+
+
+def name_what_ran(cfg: DictConfig, overrides: list[str]) -> DictConfig:
+    """Give a composed config the names of what runs: quant.name of an overridden scheme (:func:`scheme_name`).
+
+    Called once per composition, by :func:`compose` and by ``python -m harness`` on Hydra's own composition, so
+    every run name, results directory, report, MLflow run and summary reads the one ``quant.name``.
+    """
+    quant = cfg.get("quant") if OmegaConf.is_dict(cfg) else None
+    if quant is None or OmegaConf.is_missing(quant, "name"):
+        return cfg
+    name = scheme_name(quant, overrides)
+    if name is not None:
+        cfg.quant.name = name
+    return cfg
 
 
 def load_model_config(name: str) -> ModelConfig:

@@ -1,6 +1,7 @@
 """Slices: named groups of lm-eval tasks plus the texts their divergence is measured on.
 
-An offline slice is a directory ``slices/<name>/`` holding lm-eval task YAMLs whose
+An offline slice is a directory ``slices/<name>/`` (of the package, or beside your own
+``slices/<name>.yaml`` in a config directory of yours: :mod:`harness.infra.presets`) holding lm-eval task YAMLs whose
 ``custom_dataset`` hook calls the slice's deterministic item generator
 (``slices/<name>/generate.py``). The harness passes the item-set settings (size, seed,
 item count, tokenizer) as lm-eval task metadata, so lm-eval and the harness see the same
@@ -19,6 +20,8 @@ from typing import Any
 
 from harness.config import SLICES_DIR, SliceConfig
 from harness.errors import UserError
+from harness.infra import presets
+from harness.infra.cache import stable_hash
 
 
 class SliceError(UserError, ValueError):
@@ -64,6 +67,8 @@ class Slice:
 def import_slice_module(directory: Path, name: str) -> ModuleType:
     """Import ``<directory>/<name>.py`` under a unique module name (slices are not a package)."""
     qualified = f"harness_slice_{directory.name}_{name}"
+    if directory.resolve().parent != SLICES_DIR.resolve():  # a slice of your config directory: its own module
+        qualified = f"harness_slice_{directory.name}_{stable_hash(str(directory.resolve()), 8)}_{name}"
     if qualified in sys.modules:
         return sys.modules[qualified]
     path = directory / f"{name}.py"
@@ -89,10 +94,14 @@ def resolve(slices: dict[str, SliceConfig]) -> list[Slice]:
         if config.registry:
             resolved.append(Slice(name, config, None))
             continue
-        directory = SLICES_DIR / name
+        # slices/<name>/ of your config directories first (harness.infra.presets), then the package's
+        directory = presets.slice_directory(name) or SLICES_DIR / name
         if not (directory / "generate.py").exists():
             available = sorted(p.name for p in SLICES_DIR.iterdir() if (p / "generate.py").exists())
-            raise SliceError(f"slice {name!r} has no generator at {directory}/generate.py; offline slices: {available}")
+            mine = [f"{d.path}/slices/" for d in presets.active()]
+            raise SliceError(f"slice {name!r} has no generator at {directory}/generate.py; offline slices: {available}"
+                             + (f" and those under {', '.join(mine)}" if mine else "")
+                             + "; an offline slice is slices/<name>/ with its task YAMLs and generate.py")
         yaml_tasks = {p.stem for p in directory.glob("*.yaml")}
         missing = [t for t in config.tasks if t not in yaml_tasks]
         if missing:

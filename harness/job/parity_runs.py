@@ -93,7 +93,7 @@ def make_runs(overrides: list[str], command: str, out: Path) -> tuple[Path, Path
                              f"{(done.stderr or done.stdout).strip().splitlines()[-1:]}")
     base = [o for o in overrides if not o.startswith(("quant=", "quant."))]
     served = _job([*base, "quant=external", _serve_override(command, export.resolve()),
-                   f"candidate.name={cfg.quant.name}-served"])
+                   f"candidate.name='{cfg.quant.name}-served'"])  # quoted: a name may hold = and +
     reference = serving_directory(cfg.model, cfg.paths.cache_dir)
     floor = _job([*base, "quant=external", _serve_override(command, reference),
                   "candidate.name=reference-served"])

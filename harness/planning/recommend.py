@@ -352,7 +352,9 @@ def recommend(cfg: Any, options: RecommendOptions, overrides: list[str] | None =
     choice = solve(units, kl_budget=options.budget.kl_mean, bits_budget=options.budget.bits, other_params=other)
     timings["solve"] = time.perf_counter() - start
 
-    name = options.save_as or f"{cfg.quant.name}_rec_{_budget_label(options.budget)}"
+    # a scheme name with overridden fields (int8+weights.bits=6) is no file name a quant= option can select
+    base = re.sub(r"[^A-Za-z0-9_]+", "_", str(cfg.quant.name)).strip("_")
+    name = options.save_as or f"{base}_rec_{_budget_label(options.budget)}"
     scheme = recommended_scheme(prepared.scheme, units, choice, name, options.granularity)
     start = time.perf_counter()
     measured = _measure(model, scheme, reference, prepared.context)

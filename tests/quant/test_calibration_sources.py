@@ -178,8 +178,9 @@ def test_the_documented_calibration_domain_sweep_plans(tmp_path, cache_dir):
                  "tracking.enabled=false", *SWEEP]
     plan = plan_mod.plan_sweep(overrides, tokens_per_s=1000.0, decode_tokens_per_s=100.0)
     jobs = [(job.scheme, next(o for o in job.overrides if "calibration.source" in o)) for job in plan.jobs]
-    assert sorted(jobs) == sorted((q, f"quant.calibration.source={s}") for q in ("gptq_w4g128", "awq_w4g128")
-                                  for s in ("prose", "code"))
+    # each job is named after its calibration domain: runs that differ in a field never share a name
+    assert sorted(jobs) == sorted((f"{q}+calibration.source={s}", f"quant.calibration.source={s}")
+                                  for q in ("gptq_w4g128", "awq_w4g128") for s in ("prose", "code"))
     assert all(job.calibration == 128 * 512 for job in plan.jobs)
     assert {s.slice for job in plan.jobs for s in job.slices} == {"code", "math", "multilingual"}
     keys = {calibrated_key("m", plan_mod._job_config(job.overrides).quant, "h") for job in plan.jobs}

@@ -397,7 +397,7 @@ METRICS: dict[str, tuple[str, str]] = {
     # paired accuracy
     "metrics/<slice>/n": ("items", "items compared (both sides answered)"),
     "metrics/<slice>/n_clusters": ("clusters", "clusters among those items (items sharing a template, haystack or source)"),
-    "metrics/<slice>/acc_ref": ("fraction", "accuracy of the unquantized reference"),
+    "metrics/<slice>/acc_ref": ("fraction", "accuracy of the reference (the model as loaded; the summary's `reference` says what it is)"),
     "metrics/<slice>/acc_quant": ("fraction", "accuracy of the quantized model (or candidate)"),
     "metrics/<slice>/acc_delta": (FRACTION_PT, "Δ = acc_quant − acc_ref, paired on the same items; −0.219 prints as −21.9 pt"),
     "metrics/<slice>/acc_delta_ci_low": (FRACTION_PT, "lower bound of Δ's interval at compare.ci_level (clustered paired score interval)"),
@@ -445,7 +445,9 @@ METRICS: dict[str, tuple[str, str]] = {
     "metrics/<slice>/ppl_ratio_prompt": ("ratio", "perplexity ratio on prompt positions"),
     "metrics/<slice>/ln_ppl_ratio_prompt": ("nats per token", "ln of ppl_ratio_prompt"),
     "metrics/<slice>/n_tokens_plain": ("tokens", "tokens of the slice's gold texts without a chat template"),
-    "metrics/<slice>/kl_plain_mean": ("nats per token", "mean KL on the plain gold texts (what llama.cpp's --kl-divergence measures)"),
+    "metrics/<slice>/kl_plain_mean": ("nats per token", "mean KL on the plain gold texts (what llama.cpp's --kl-divergence "
+                                      "measures); only with eval.divergence_plain=true (off by default), "
+                                      "as every *_plain key"),
     "metrics/<slice>/kl_plain_se": ("nats per token", "standard error of kl_plain_mean"),
     "metrics/<slice>/kl_plain_p99": ("nats", "99th percentile of the KL on the plain texts"),
     "metrics/<slice>/top1_agree_plain": ("fraction", "top-1 agreement on the plain texts"),
@@ -456,6 +458,8 @@ METRICS: dict[str, tuple[str, str]] = {
     "run_name": ("text", "<model>/<scheme>/<slices> (tracking.run_name overrides it)"),
     "model": ("text", "model preset name"),
     "scheme": ("text", "scheme name (quant.name)"),
+    "reference": ("text", "what the reference is: the model as loaded (the default's packaged GGUF dequantized to "
+                          "float32, a hub checkpoint in model.dtype, or random weights)"),
     "method": ("text", "quantization method (rtn, gptq, awq, smoothquant, or a plugin's)"),
     "slices": ("list", "slices of the run, in order"),
     "started_at": ("Unix seconds", "when the job started"),
@@ -474,6 +478,26 @@ METRICS: dict[str, tuple[str, str]] = {
     "quant/bits_per_weight": ("bits", "mean storage bits per weight of the linears (output head excluded), scales included"),
     "quant/bits_per_param_total": ("bits", "storage bits per parameter of the whole model, kept layers at 16 bits"),
     "quant/layers_quantized": ("layers", "linear layers the scheme changed"),
+    "quant/coverage_bits_per_weight": ("bits", "bits per weight from the coverage account: every matrix-shaped weight "
+                                               "(experts and routers included; embeddings and output head out)"),
+    "quant/coverage_quantized_params": ("parameters", "matrix-shaped parameters the scheme quantized"),
+    "quant/coverage_quantized_share": ("fraction", "share of the matrix-shaped parameters quantized"),
+    "quant/coverage_uncovered_params": ("parameters", "matrix-shaped parameters neither quantized nor kept by a rule "
+                                                      "(non-zero only with quant.allow_uncovered=true)"),
+    "quant/coverage_uncovered_share": ("fraction", "share of the matrix-shaped parameters not covered"),
+    "quant/coverage_kept_<rule>_params": ("parameters", "parameters kept in high precision by that rule (embedding, "
+                                                        "norm, router, output head, quant.keep)"),
+    "quant/coverage/scheme": ("text", "the scheme the coverage account is of"),
+    "quant/coverage/bits_per_weight": ("bits", "as quant/coverage_bits_per_weight"),
+    "quant/coverage/total_params": ("parameters", "every parameter of the model"),
+    "quant/coverage/matrix_params": ("parameters", "parameters of matrix-shaped weights"),
+    "quant/coverage/quantized_params": ("parameters", "as quant/coverage_quantized_params"),
+    "quant/coverage/quantized_share": ("fraction", "as quant/coverage_quantized_share"),
+    "quant/coverage/uncovered_params": ("parameters", "as quant/coverage_uncovered_params"),
+    "quant/coverage/uncovered_share": ("fraction", "as quant/coverage_uncovered_share"),
+    "quant/coverage/kept_by_rule/<rule>": ("parameters", "parameters kept by that rule"),
+    "quant/coverage/rows": ("list", "one row per (status, rule, module kind): parameters and modules (harness.quant.coverage)"),
+    "quant/coverage/uncovered": ("list", "the modules not covered, by name and kind"),
     "quant/quantized_fraction": ("fraction", "share of the linears' weights that were quantized"),
     "quant/quantize_s": ("seconds", "time to quantize (calibration included)"),
     "quant/sqnr_db_mean": ("dB", "mean signal-to-quantization-noise ratio of the quantized weights"),
@@ -547,6 +571,10 @@ def normalise_key(key: str, slices: set[str], tasks: set[str]) -> str:
             out.append("<gpu>")
         elif head == "quant" and len(parts) > 4 and parts[1] == "ledger" and i == 3:
             out.append("<kv>")
+        elif head == "quant" and parts[1:3] == ["coverage", "kept_by_rule"] and i == 3:
+            out.append("<rule>")
+        elif head == "quant" and i == 1 and re.fullmatch(r"coverage_kept_\w+_params", part):
+            out.append("coverage_kept_<rule>_params")
         else:
             out.append(re.sub(r"^(kl|dp)_p\d+(_\d+)?$", r"\1_p<q>", part))
     return "/".join(out)

@@ -9,6 +9,9 @@ compared item by item with the same model evaluated in process. Faults are switc
 request), ``hang_s`` (each completion waits that long first), ``prompt_logprobs=False`` (echoed prompt
 tokens come without log-probs, as from a server that gives none), ``max_logprobs`` (a request asking
 for more log-probs per token is refused with HTTP 400, as vLLM's ``--max-logprobs`` does).
+``script`` (a function of the prompt text returning ``{"text": ..., "reasoning_content": ..., "finish_reason":
+...}``) answers generation requests from a script instead of the model, as a thinking model behind a reasoning
+parser would (closed, unclosed, looping traces); prompt tokens are then echoed with log-probs of 0.
 
 ``python tests/fake_openai.py --port N`` serves only ``/health`` and ``/v1/models`` (no model): a
 stand-in process for the ``candidate.serve`` tests.
@@ -26,7 +29,9 @@ from typing import Any
 class FakeServer:
     def __init__(self, model: Any = None, tokenizer: Any = None, *, name: str = "fake", max_model_len: int = 2048,
                  vocab_shift: int = 0, api_key: str | None = None, die_after: int | None = None,
-                 hang_s: float = 0.0, port: int = 0, prompt_logprobs: bool = True, max_logprobs: int | None = None):
+                 hang_s: float = 0.0, port: int = 0, prompt_logprobs: bool = True, max_logprobs: int | None = None,
+                 script: Any = None):
+        self.script = script
         self.model, self.tokenizer, self.name, self.max_model_len = model, tokenizer, name, max_model_len
         self.vocab_shift, self.api_key, self.die_after, self.hang_s = vocab_shift, api_key, die_after, hang_s
         self.prompt_logprobs, self.max_logprobs = prompt_logprobs, max_logprobs
@@ -95,25 +100,33 @@ class FakeServer:
             if len(ids) + int(body.get("max_tokens") or 0) > self.max_model_len:
                 raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens")
             generated: list[int] = []
-            for _ in range(int(body.get("max_tokens") or 0)):
+            scripted = None
+            if self.script is not None and int(body.get("max_tokens") or 0) > 0:
+                scripted = self.script(prompt if isinstance(prompt, str) else self.tokenizer.decode(ids))
+                generated = self.tokenizer(scripted.get("text") or "", add_special_tokens=False)["input_ids"]
+            for _ in range(0 if scripted is not None else int(body.get("max_tokens") or 0)):
                 nxt = int(self._logprobs(ids + generated)[-1].argmax())
                 generated.append(nxt)
                 text = self.tokenizer.decode(generated, skip_special_tokens=True)
                 if nxt == eos or any(s in text for s in stops):
                     break
-            reply = self.tokenizer.decode(generated, skip_special_tokens=True)
+            reply = self.tokenizer.decode(generated, skip_special_tokens=True) if scripted is None \
+                else str(scripted.get("text") or "")
             for stop in stops:
                 reply = reply.split(stop)[0]
             every = ids + generated
-            scores = self._logprobs(every) if body.get("echo") else None
+            scores = self._logprobs(every) if body.get("echo") and scripted is None and self.model is not None else None
             token_logprobs, top = [None], [None]
-            for pos in range(1, len(every)):
+            for pos in range(1, len(every) if scores is not None else 0):
                 row = scores[pos - 1]
                 token_logprobs.append(float(row[every[pos]]))
                 best = row.topk(max(k, 1))
                 entry = {self._text(int(i), as_ids): float(v) for v, i in zip(best.values, best.indices)}
                 entry[self._text(every[pos], as_ids)] = float(row[every[pos]])
                 top.append(entry)
+            if scores is None:  # scripted: every echoed token at log-prob 0, itself the top
+                token_logprobs = [None] + [0.0] * (len(every) - 1)
+                top = [None] + [{self._text(i, as_ids): 0.0} for i in every[1:]]
             if not self.prompt_logprobs:  # the prompt's tokens echoed, their log-probs not given
                 token_logprobs[:len(ids)] = [None] * len(ids)
                 top[:len(ids)] = [None] * len(ids)
@@ -125,6 +138,8 @@ class FakeServer:
                 at += len(self.tokenizer.decode([i], skip_special_tokens=False))
             choice = {"index": index, "text": (prompt_text if body.get("echo") else "") + reply,
                       "finish_reason": "stop" if len(generated) < int(body.get("max_tokens") or 0) else "length"}
+            if scripted is not None:
+                choice.update({k: v for k, v in scripted.items() if k != "text"})
             if body.get("logprobs") is not None:
                 choice["logprobs"] = {"tokens": texts if body.get("echo") else texts[len(ids):],
                                       "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
@@ -178,7 +193,7 @@ class FakeServer:
                     return
                 if server.hang_s:
                     time.sleep(server.hang_s)
-                if server.model is None:
+                if server.model is None and server.script is None:
                     self._send(400, {"error": {"message": "no model loaded"}})
                     return
                 with server._count_lock:

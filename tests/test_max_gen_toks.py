@@ -93,8 +93,10 @@ def test_a_capped_run_has_its_own_keys_and_an_uncapped_one_keeps_its_old_ones(ma
     base = to_config(make_cfg("model=tiny_random"))
     capped = to_config(make_cfg("model=tiny_random", "eval.max_gen_toks=16"))
     config = config_dict(base)
-    for key in ("sequential", "sequential_round_items", "sequential_method", "max_gen_toks"):
+    for key in ("sequential", "sequential_round_items", "sequential_method", "max_gen_toks", "thinking_budget"):
         config["eval"].pop(key)
+    for key in identity.THINKING_MODEL_FIELDS:  # a model that does not think: keyed as before thinking existed
+        config["model"].pop(key)
     for served_only in ("endpoint_divergence_topk", "endpoint_concurrency"):  # keyed only for served candidates
         config["candidate"].pop(served_only)
     for transient in identity.TRANSIENT_SECTIONS:

@@ -396,7 +396,7 @@ def prepare_generation(lm: Any, context: str, gen_kwargs: dict) -> GenerationReq
     lm._fits(len(reference) + max_gen_toks, what)
     body = dict(prompt=prompt, max_tokens=max_gen_toks, temperature=0, echo=True, logprobs=0,
                 stop=[s for s in until if s], add_special_tokens=add_special, return_tokens_as_token_ids=True,
-                skip_special_tokens=True)
+                skip_special_tokens=not getattr(lm.twin, "keep_special", False))
     return GenerationRequest(body, context, reference, prompt, until, what)
 
 
@@ -413,9 +413,27 @@ def finish_generation(lm: Any, request: GenerationRequest, choice: dict) -> tupl
         raise EndpointError(f"{request.what}: the server's echo does not start with the prompt text; it does not "
                             "echo prompts as the OpenAI completions API does")
     reply = text[len(echoed):] if echoed is not None else _after_tokens(choice, len(request.reference))
-    reply = postprocess_generated_text(reply, request.until, None)
+    reply = with_reasoning(choice, reply, getattr(lm.twin, "think_tags", None), request.what)
+    reply = postprocess_generated_text(reply, request.until, None)  # with thinking on: end-of-turn stops only
     generated = max(0, len((choice.get("logprobs") or {}).get("tokens") or []) - len(request.reference))
     return reply, len(request.reference), generated
+
+
+def with_reasoning(choice: dict, reply: str, think_tags: tuple[str, str] | None, what: str) -> str:
+    """The reply as the model wrote it when the server split its trace off (``reasoning_content``, or
+    ``reasoning``: vLLM's reasoning parsers): the trace put back between ``think_tags`` before the answer, or
+    after the opening tag alone when the trace never ended (no answer, and the server stopped at the token cap), so
+    the harness reads it as it reads an in-process reply (harness.evaluation.thinking). Refused without tags."""
+    reasoning = choice.get("reasoning_content") or choice.get("reasoning")
+    if not reasoning:
+        return reply
+    if think_tags is None:
+        raise EndpointError(f"{what}: the server split off a reasoning trace (reasoning_content) but model.thinking="
+                            "none; set model.thinking=tags (or harmony) so the trace is read and measured")
+    start, end = think_tags
+    if not reply and choice.get("finish_reason") == "length":
+        return f"{start}{reasoning}"
+    return f"{start}{reasoning}{end}{reply}"
 
 
 def record_generation(lm: Any, context: str, gen_kwargs: dict, reply: str, prompt_tokens: int,

@@ -31,8 +31,10 @@ log = logging.getLogger(__name__)
 # doc_id: the item's index in its task's documents (lm-eval's doc_id of a full evaluation), by which a
 # sequential evaluation (harness.evaluation.sequential_run) asks lm-eval for a round's items (``samples``)
 # stratum / cluster: the item's sampling design (docs/explanation/strata.md); "" stratum: none declared
+# max_gen_toks: the token cap the item's reply ran under (generation items; thinking budget included), so a reply
+# that reached it is told apart (harness.evaluation.thinking); None for other items
 RECORD_COLUMNS = ["item_id", "slice", "task", "sub_slice", "cluster", "output_type", "correct", "response", "target",
-                  "prompt", "reply", "doc_id", "stratum"]
+                  "prompt", "reply", "doc_id", "stratum", "max_gen_toks"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,9 @@ class EvalSettings:
     generator: str = "harness"  # greedy decoding: harness.evaluation.generation (rows leave as they finish) | hf (generate)
     max_gen_toks: int | None = None  # caps each generation task's max_gen_toks (eval.max_gen_toks); None: its own
     decode_rows: int | None = None  # greedy generation requests decoded together (runtime.decode_rows); None: batch_size
+    # how both sides think (harness.evaluation.thinking.ThinkingSpec, from model.thinking and eval.thinking_budget);
+    # None: every reply is an answer
+    thinking: Any = None
 
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's HFLM and vLLM backends when a task does not set max_gen_toks
@@ -71,7 +76,8 @@ def make_lm(model: Any, tokenizer: Any, settings: EvalSettings, *, checkpoint: s
         engine.check()
         if not checkpoint:
             raise ValueError(f"eval.backend={settings.backend} evaluates checkpoints on disk; this side has none")
-        return engine(checkpoint, max_length=settings.max_length, seed=settings.seed).start().lm()
+        return _thinking_lm(engine(checkpoint, max_length=settings.max_length, seed=settings.seed).start().lm(),
+                            settings)
     from lm_eval.models.huggingface import HFLM
 
     cls = _harness_hflm() if settings.generator == "harness" else HFLM
@@ -79,6 +85,23 @@ def make_lm(model: Any, tokenizer: Any, settings: EvalSettings, *, checkpoint: s
              max_length=settings.max_length, device=settings.device)
     if settings.generator == "harness":
         lm.decode_rows = settings.decode_rows
+    return _thinking_lm(lm, settings)
+
+
+def _thinking_lm(lm: Any, settings: EvalSettings) -> Any:
+    """An lm-eval model set to think as ``settings.thinking`` says: ``enable_thinking`` through its chat template,
+    and, for harmony's special-token channels, replies decoded with their special tokens (a served candidate reads
+    both from this wrapper, its twin: ``think_tags``, ``keep_special``)."""
+    spec = settings.thinking
+    if spec is None or (not spec.on and spec.enable_thinking is None):
+        return lm
+    from harness.evaluation import thinking
+
+    thinking.apply_to_lm(lm, spec)
+    if spec.on:
+        start, end, _ = spec.markers()
+        lm.think_tags = (start, end)
+        lm.keep_special = spec.mode == "harmony"
     return lm
 
 
@@ -107,6 +130,10 @@ def _harness_hflm() -> type:
         # step costs about the same for 1 row as for 8 (the weights are read once), so rows share the steps
         decode_rows: int | None = None
         prefill_rows: int | None = None  # set while generate_until runs with decode_rows
+        keep_special = False  # replies decoded with their special tokens (harmony channels: model.thinking=harmony)
+
+        def tok_decode(self, tokens, skip_special_tokens=True):
+            return super().tok_decode(tokens, skip_special_tokens=skip_special_tokens and not self.keep_special)
 
         def generate_until(self, requests, disable_tqdm=False):
             with _chunks_of_decode_rows(self):
@@ -373,13 +400,30 @@ def round_task_manager(lm: Any, slice_: Slice, settings: EvalSettings) -> Any:
 def task_manager(slice_: Slice, settings: EvalSettings) -> Any:
     """lm-eval's TaskManager for a slice: its directory as the include path (the registry only for
     registry slices), its item-set settings as metadata, and ``settings.max_gen_toks`` applied to
-    every generation task it loads (the lower of the task's own and the cap)."""
+    every generation task it loads (the lower of the task's own and the cap). With ``settings.thinking`` on, every
+    generation task it loads thinks (:func:`harness.evaluation.thinking.wrap_task`: the budget added before the
+    cap, stop strings after the trace, the scorer on the answer)."""
     from lm_eval.tasks import TaskManager
 
     registry = slice_.directory is None
     metadata = slice_.metadata(settings.seed, settings.tokenizer_path, settings.max_length)
     manager = TaskManager(include_path=None if registry else str(slice_.directory), include_defaults=registry,
                           metadata=metadata)
+    spec = settings.thinking
+    if spec is not None and spec.on:
+        from harness.evaluation import thinking
+
+        load_plain = manager.load
+
+        def load_thinking(*args: Any, **kwargs: Any) -> dict:
+            loaded = load_plain(*args, **kwargs)
+            for task in loaded["tasks"].values():
+                if task.get_config("output_type") == "generate_until":
+                    thinking.wrap_task(task, spec, settings.max_gen_toks, DEFAULT_MAX_GEN_TOKS)
+            return loaded
+
+        manager.load = load_thinking
+        return manager  # the cap is applied with the budget
     if settings.max_gen_toks is not None:
         load, cap = manager.load, settings.max_gen_toks
 
@@ -446,6 +490,8 @@ def records_from_results(results: dict, slice_: Slice) -> tuple[pd.DataFrame, di
         task_cfg = results["configs"][task]
         output_type = task_cfg.get("output_type", "generate_until")
         metric_names = [m["metric"] for m in task_cfg.get("metric_list", [])] or ["acc", "exact_match"]
+        gen_cap = (task_cfg.get("generation_kwargs") or {}).get("max_gen_toks", DEFAULT_MAX_GEN_TOKS) \
+            if output_type == "generate_until" else None
         chosen = _chosen_filter(task, all_samples, slice_.config.filter)
         samples = [sample for sample in all_samples if sample.get("filter") == chosen]
         cluster_field = slice_.config.cluster_field or "cluster"
@@ -466,6 +512,7 @@ def records_from_results(results: dict, slice_: Slice) -> tuple[pd.DataFrame, di
                 **dict(zip(("prompt", "reply"), _served(sample, output_type))),
                 "doc_id": int(sample["doc_id"]),
                 "stratum": "" if doc.get(stratum_field) is None else str(doc[stratum_field]),
+                "max_gen_toks": None if gen_cap is None else int(gen_cap),
             })
         frames.append(pd.DataFrame(rows, columns=RECORD_COLUMNS))
         task_results = results["results"][task]

@@ -16,14 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from harness.config import QuantConfig, RunConfig, config_dict
-from harness.evaluation import evaluate
+from harness.evaluation import evaluate, thinking
 from harness.evaluation.slices import Slice
 from harness.infra.cache import file_sha256, stable_hash
 from harness.job.divergence_texts import SERVED_FORMAT, served_format
 from harness.models import loading as models
 
 # Config sections that say where results go or how a job runs, not what it computes.
-TRANSIENT_SECTIONS = ("tracking", "paths", "force", "runtime", "gate")
+TRANSIENT_SECTIONS = ("tracking", "paths", "force", "runtime", "gate", "perf")
 # The built-in methods' settings had run-config sections of their own until every method's moved to quant.settings.
 # A run key keeps that layout, so that runs from before are found again: each section at the defaults it then had,
 # the scheme's own method's section its settings (defaults filled), quant.settings empty.
@@ -58,6 +58,7 @@ class ReferenceSpec:
     process: str  # runtime.reference_process: auto | true | false
     stall_s: float  # runtime.reference_stall_s
     decode_rows: int | None = None  # runtime.decode_rows
+    thinking: Any = None  # harness.evaluation.thinking.ThinkingSpec: model.thinking and eval.thinking_budget
 
     @classmethod
     def of(cls, cfg: RunConfig) -> ReferenceSpec:
@@ -67,14 +68,15 @@ class ReferenceSpec:
                    divergence_plain=cfg.eval.divergence_plain, reference_store=cfg.eval.reference_store,
                    reference_topk=cfg.eval.reference_topk, batch_size=cfg.eval.batch_size or cfg.model.batch_size,
                    checkpoint=cfg.model.path or None, process=str(cfg.runtime.reference_process),
-                   stall_s=cfg.runtime.reference_stall_s, decode_rows=cfg.runtime.decode_rows)
+                   stall_s=cfg.runtime.reference_stall_s, decode_rows=cfg.runtime.decode_rows,
+                   thinking=thinking.spec_of(cfg))
 
     def eval_settings(self, tokenizer_path: str | None) -> evaluate.EvalSettings:
         """The lm-eval settings both models are evaluated with."""
         return evaluate.EvalSettings(batch_size=self.batch_size, max_length=self.max_length, device=self.device,
                                      chat_template=self.chat_template, seed=self.seed, tokenizer_path=tokenizer_path,
                                      backend=self.backend, generator=self.generator, max_gen_toks=self.max_gen_toks,
-                                     decode_rows=self.decode_rows)
+                                     decode_rows=self.decode_rows, thinking=self.thinking)
 
 
 def eval_settings(cfg: RunConfig, tokenizer_path: str | None) -> evaluate.EvalSettings:
@@ -115,6 +117,9 @@ def reference_key(loaded: models.LoadedModel, slice_: Slice, spec: ReferenceSpec
                 **({"max_gen_toks": spec.max_gen_toks} if spec.max_gen_toks is not None else {}),
                 "lm_eval": _version("lm_eval"), "transformers": _version("transformers"), "device": spec.device,
                 "records": 2}  # 2: records carry each item's doc_id (sequential rounds select items by it)
+    thinks = spec.thinking.identity() if spec.thinking is not None else None
+    if thinks:  # a thinking reference is not a plain one (unset: the keys stay as they were)
+        settings["thinking"] = thinks
     if served_format(slice_, spec):  # its divergence texts are its items' prompts + this reference's replies
         settings["divergence"] = SERVED_FORMAT
     if not spec.divergence_plain:  # no gold texts (the keys of references that hold them stay as they were)
@@ -139,6 +144,9 @@ def keyed_quant(scheme: QuantConfig, data: dict) -> dict:
     return keyed
 
 
+THINKING_MODEL_FIELDS = ("thinking", "think_start", "think_end", "enable_thinking")
+
+
 def run_key(cfg: RunConfig, model_identity: dict | None = None) -> str:
     """Identity of a job's result: model, scheme, slices and settings (not tracking/paths/runtime)."""
     data = config_dict(cfg)
@@ -155,6 +163,10 @@ def run_key(cfg: RunConfig, model_identity: dict | None = None) -> str:
         data["eval"].pop("sequential_method", None)
     if cfg.eval.max_gen_toks is None:  # likewise
         data["eval"].pop("max_gen_toks", None)
+    if thinking.spec_of(cfg).identity() is None:  # likewise: a model that does not think keeps its keys
+        for key in THINKING_MODEL_FIELDS:
+            data["model"].pop(key, None)
+        data["eval"].pop("thinking_budget", None)
     if not (cfg.candidate.endpoint or cfg.candidate.serve):  # only a served candidate's token divergence reads it
         data["candidate"].pop("endpoint_divergence_topk", None)
     if not (cfg.candidate.endpoint or cfg.candidate.serve) or cfg.candidate.endpoint_concurrency == 1:

@@ -32,7 +32,7 @@ from harness.decision import gate
 from harness.divergence import scoring as divergence
 from harness.engines import served
 from harness.errors import UsageError
-from harness.evaluation import evaluate, sequential_run
+from harness.evaluation import evaluate, sequential_run, thinking
 from harness.evaluation.evaluate import check_settings
 from harness.evaluation.slices import Slice, check_hub_for_registry, resolve
 from harness.infra import devices, joblog, progress
@@ -258,6 +258,7 @@ def open_job(cfg: RunConfig) -> Job:
     timings.meter.watch(loaded.model)
     quant.validate_for_model(loaded.model, cfg.quant)
     placement.check_quantizable(loaded.model, quant.changes_weights(cfg.quant))  # device=auto with disk offload
+    thinking.check_template(loaded.tokenizer, thinking.spec_of(cfg))  # enable_thinking its template never reads
     key = run_key(cfg, loaded.identity)
     results_dir = prepare_results_dir(cfg, key)
     joblog.attach(results_dir)  # the command line's job.log (libraries' messages) lives with the results
@@ -343,8 +344,15 @@ def write_results(job: Job, judged: Candidate, references: dict[str, SliceRefere
                                list(cfg.eval.position_buckets),
                                lambda text: tokenizer(text, add_special_tokens=False)["input_ids"])
     capacity_ledger = capacity(judged.loaded, judged.quant_report, cfg)
+    think_metrics, think_frame = thinking.run_metrics(
+        reference_records, evaluated.records, thinking.spec_of(cfg),
+        lambda text: tokenizer(text, add_special_tokens=False)["input_ids"], ci_level=cfg.compare.ci_level,
+        n_resamples=cfg.compare.n_resamples, seed=cfg.compare.seed)
+    if not think_frame.empty:
+        _write_parquet(think_frame, results_dir / "thinking.parquet")
     result = summary_record(cfg, job.key, comparison, judged.quant_report, references, evaluated, timings,
                             judged.loaded)
+    result["metrics"].update(think_metrics)
     if judged.quant_report.bits_known:  # a served candidate with no local checkpoint: no bits, no ledger
         result["quant"].update(capacity_ledger.metrics())
     result["reference_deferred"] = deferred  # read after evaluating: another job computed them
@@ -372,6 +380,7 @@ def preflight(cfg: RunConfig) -> Preflight:
     quant.validate_scheme(cfg.quant)
     check_format(cfg.quant.calibration, cfg.model.chat_template, cfg.model.name)
     check_settings(cfg)
+    thinking.check_config(cfg)
     sequential_run.check_config(cfg, slices)
     models.check_available(cfg.model)
     uri = tracking.resolve_uri(cfg.tracking.uri)
@@ -544,9 +553,13 @@ def load_candidate(reference: models.LoadedModel,
 
 def _quant_context(loaded: models.LoadedModel, cfg: RunConfig, cache: Cache) -> Any:
     from harness.quant.calibration import CalibrationContext
+
+    spec = thinking.spec_of(cfg)  # a thinking model is calibrated thinking, as it is evaluated
     return CalibrationContext(model_key=loaded.key, tokenizer=loaded.tokenizer, config=cfg.quant.calibration,
                               device=devices.calibration_device(loaded.model, cfg.model.device), cache=cache,
-                              scheme=cfg.quant, chat_template=cfg.model.chat_template)
+                              scheme=cfg.quant, chat_template=cfg.model.chat_template,
+                              think_tags=spec.markers()[:2] if spec.on else None,
+                              template_args=spec.chat_template_args())
 
 
 def write_records(directory: Path, cfg: RunConfig, items: pd.DataFrame, tokens: pd.DataFrame,

@@ -151,8 +151,10 @@ def dataset_corpus(config: CalibrationConfig) -> str:
     return "\n\n".join(t for t in data[config.text_field] if t and t.strip())
 
 
-def calibration_tokens(tokenizer: Any, config: CalibrationConfig, chat: bool = False) -> Tensor:
-    """[num_samples, seq_len] token windows sampled (seeded) from the corpus; ``chat``: as conversations."""
+def calibration_tokens(tokenizer: Any, config: CalibrationConfig, chat: bool = False,
+                       think_tags: tuple[str, str] | None = None, template_args: dict | None = None) -> Tensor:
+    """[num_samples, seq_len] token windows sampled (seeded) from the corpus; ``chat``: as conversations, thinking
+    as the model is evaluated (``think_tags``, ``template_args``: :func:`chat_window`)."""
     validate_calibration(config)
     text = dataset_corpus(config) if config.source == DATASET else offline_corpus(config.source)
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
@@ -163,11 +165,12 @@ def calibration_tokens(tokenizer: Any, config: CalibrationConfig, chat: bool = F
     rng = random.Random(f"calibration/{config.seed}")
     starts = [rng.randrange(0, len(ids) - needed) for _ in range(config.num_samples)]
     if chat:
-        return torch.stack([chat_window(tokenizer, ids, start, needed) for start in starts])
+        return torch.stack([chat_window(tokenizer, ids, start, needed, think_tags, template_args) for start in starts])
     return torch.stack([ids[s:s + needed] for s in starts])
 
 
-def chat_window(tokenizer: Any, ids: Tensor, start: int, length: int) -> Tensor:
+def chat_window(tokenizer: Any, ids: Tensor, start: int, length: int, think_tags: tuple[str, str] | None = None,
+                template_args: dict | None = None) -> Tensor:
     """``length`` tokens of a conversation rendered through the tokenizer's chat template.
 
     From ``start`` on, the source is cut into alternating user turns (:data:`USER_TOKENS`) and
@@ -175,6 +178,10 @@ def chat_window(tokenizer: Any, ids: Tensor, start: int, length: int) -> Tensor:
     (the template's own system prompt and special tokens) and encoded as lm-eval encodes one
     (``divergence.encode_prompt``); exchanges are added until the conversation reaches ``length``
     tokens, then it is cut there. Windows running past the end of the source wrap to its start.
+
+    A thinking model (``think_tags``: its trace's tags) is calibrated as it is evaluated: each assistant reply is a
+    trace (its first half, between the tags) and an answer (the rest), and ``template_args`` (``enable_thinking``)
+    go to the chat template, which renders the traces it keeps as it does when the model is served.
     """
     from harness.divergence.scoring import encode_prompt
 
@@ -186,9 +193,15 @@ def chat_window(tokenizer: Any, ids: Tensor, start: int, length: int) -> Tensor:
     while True:
         for role, size in (("user", USER_TOKENS), ("assistant", REPLY_TOKENS)):
             piece = ids[torch.arange(cursor, cursor + size) % len(ids)]
-            messages.append({"role": role, "content": tokenizer.decode(piece).strip()})
+            content = tokenizer.decode(piece).strip()
+            if role == "assistant" and think_tags is not None:
+                half = size // 2
+                content = (f"{think_tags[0]}\n{tokenizer.decode(piece[:half]).strip()}\n{think_tags[1]}\n\n"
+                           f"{tokenizer.decode(piece[half:]).strip()}")
+            messages.append({"role": role, "content": content})
             cursor += size
-        encoded = encode_prompt(tokenizer, tokenizer.apply_chat_template(messages, tokenize=False))
+        encoded = encode_prompt(tokenizer, tokenizer.apply_chat_template(messages, tokenize=False,
+                                                                         **(template_args or {})))
         if len(encoded) >= length:
             return torch.tensor(encoded[:length], dtype=torch.long)
 
@@ -205,6 +218,9 @@ class CalibrationContext:
     scheme: QuantConfig
     batch_size: int = 8
     chat_template: bool = False  # the model is evaluated through its chat template (format=auto follows it)
+    # a thinking model's trace tags (model.thinking): chat-format calibration replies carry a trace (chat_window)
+    think_tags: tuple[str, str] | None = None
+    template_args: dict = field(default_factory=dict)  # e.g. enable_thinking, passed to the chat template
     _tokens: Tensor | None = field(default=None, repr=False)
 
     @property
@@ -214,8 +230,13 @@ class CalibrationContext:
 
     def tokens(self) -> Tensor:
         if self._tokens is None:
-            self._tokens = calibration_tokens(self.tokenizer, self.config, chat=self.format == "chat")
-            log.info("calibration set (%s, %s): %d x %d tokens, hash %s", self.config.source, self.format,
+            chat = self.format == "chat"
+            self._tokens = calibration_tokens(self.tokenizer, self.config, chat=chat,
+                                              think_tags=self.think_tags if chat else None,
+                                              template_args=self.template_args if chat else None)
+            thinking = f", thinking {self.think_tags[0]}…{self.think_tags[1]} {self.template_args}" \
+                if chat and self.think_tags else ""
+            log.info("calibration set (%s, %s%s): %d x %d tokens, hash %s", self.config.source, self.format, thinking,
                      *self._tokens.shape, self.calibration_hash)
         return self._tokens
 

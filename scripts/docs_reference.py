@@ -534,6 +534,16 @@ METRICS: dict[str, tuple[str, str]] = {
 }
 
 
+def _module_metrics() -> dict[str, tuple[str, str]]:
+    """Keys a module documents beside its own code (harness.evaluation.thinking)."""
+    sys.path.insert(0, str(REPO))
+    from harness.evaluation import thinking
+    return dict(thinking.METRIC_DOCS)
+
+
+METRICS.update(_module_metrics())
+
+
 def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     if isinstance(obj, dict) and obj:
@@ -600,11 +610,12 @@ def metrics_reference() -> str:
         "Every key of a run's `summary.json` (here `results/example/summary.json`, the default job), with its",
         "unit. The same per-slice metrics are logged to MLflow as `<slice>/<name>` and are in `item_stats.parquet`.",
         "",
-        "!!! note \"Fractions in files, points in tables\"",
+        "!!! note \"Fractions in files, percent and points in tables\"",
         "    `summary.json`, the parquet files and MLflow store accuracies, differences and rates as **fractions**",
         "    (`acc_delta = -0.219`). The terminal table, `report.md`, the gate and the comparison pages print",
-        "    differences in **percentage points** (`-21.9 pt`); a margin is given as a fraction",
-        "    (`gate.margin=0.02`) and printed as `2.0 pt`. KL is in **nats** per token.",
+        "    accuracies and rates in **percent** (`43.9`) and differences in **percentage points** (`-21.9`), the",
+        "    unit in the column header; a margin is given as a fraction (`gate.margin=0.02`) and printed as",
+        "    `2.0 pt`. KL is in **nats** per token.",
         "",
         "`<slice>` is one of the run's slices or `overall` (every item of the run); `<q>` a percentile",
         "(`p0_1` = 0.1 %, `p99_9` = 99.9 %); `<stage>`, `<task>`, `<gpu>`, `<size>` and `<kv>` are named in the key.",
@@ -614,6 +625,12 @@ def metrics_reference() -> str:
     for norm in sorted(keys, key=lambda k: (not k.startswith("metrics/"), k)):
         unit, meaning = METRICS.get(norm, ("", ""))
         lines.append(f"| `{_cell(norm)}` | {_cell(unit)} | {_cell(meaning)} | `{_cell(keys[norm])}` |")
+    others = sorted((k for k in METRICS if k not in keys), key=lambda k: (not k.startswith("metrics/"), k))
+    lines += ["", "## Keys of runs with other settings", "",
+              "Written only by runs that differ from the default job (a served candidate, sequential evaluation,",
+              "a thinking model, the long-generation slice, ...), so not in the example:", "",
+              "| key | unit | meaning |", "|---|---|---|"]
+    lines += [f"| `{_cell(k)}` | {_cell(METRICS[k][0])} | {_cell(METRICS[k][1])} |" for k in others]
     lines.append("")
     return "\n".join(lines)
 

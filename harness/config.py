@@ -293,8 +293,15 @@ class TrackingConfig:
     enabled: bool = True
     uri: Optional[str] = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the cwd
     experiment: str = "quant-harness"
-    run_name: Optional[str] = None  # None: <model>/<scheme>/<slices>
+    # None: <model>/<scheme>/<slices>; the MLflow run adds the outcome: "<scheme> · <model> · FAIL 4/5" (a name
+    # set here keeps its words, the outcome after them)
+    run_name: Optional[str] = None
     tags: dict[str, str] = field(default_factory=dict)
+    # MLflow per-item tables items.json and flips.json (a review line, both replies, the prompt's end) for its
+    # Artifact evaluation view (docs/guides/reviewing-in-mlflow.md)
+    review_tables: bool = True
+    table_prompt_chars: int = 1500  # characters of each prompt's end in those tables; 0: no prompt text in MLflow
+    all_metrics: bool = False  # also log every per-slice number of summary.json under detail/ (default: a fixed set)
 
 
 @dataclass
@@ -329,6 +336,35 @@ class RuntimeConfig:
 
 
 @dataclass
+class PerfConfig:
+    """``perf.*``: serving speed measured on an engine (harness.engines.perf; ``python -m harness.parity perf=true``).
+    Not part of any run's key: it changes no result, only how speed is measured."""
+
+    # requests kept in flight at once, one measurement per level (a closed loop)
+    concurrency: list[int] = field(default_factory=lambda: [1, 8])
+    # generation prompts of the slice (as the model saw them, from the run's items), spread evenly over its items
+    n_prompts: int = 8
+    # times each prompt is sent per level; the intervals resample prompts with their repeats
+    rounds: int = 2
+    # output tokens per request
+    max_tokens: int = 32
+    # generate exactly max_tokens tokens whatever the model writes (vLLM's ignore_eos), so both sides do the same work
+    ignore_eos: bool = True
+    # requests sent and not timed before each server's first level
+    warmup: int = 1
+    # bootstrap resamples of each interval
+    n_resamples: int = 2000
+    # seed of the bootstrap
+    seed: int = 0
+    # level of every interval
+    ci_level: float = 0.95
+    # one request's limit in seconds
+    timeout_s: float = 900.0
+    # how long each server may take to come up, in seconds
+    startup_s: float = 900.0
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = MISSING
     quant: QuantConfig = MISSING
@@ -340,6 +376,7 @@ class RunConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    perf: PerfConfig = field(default_factory=PerfConfig)  # serving speed on an engine (not in any run's key)
     force: bool = False  # recompute even when a finished result for this config exists
 
 

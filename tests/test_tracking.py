@@ -42,7 +42,8 @@ def write_result_dir(root: Path, scheme: str = "int4_g128", *, slices: dict[str,
                "timings": dict(TIMINGS), "quant": {"bits_per_weight": 4.125}, "finished_at": FINISHED_AT,
                **summary_fields}
     (directory / "summary.json").write_text(json.dumps(summary))
-    (directory / "config.json").write_text(json.dumps({"quant": {"name": scheme}, "model": {"name": "tiny_random"}}))
+    (directory / "config.json").write_text(json.dumps({"quant": {"name": scheme}, "model": {
+        "name": "tiny_random", "source": "tiny_random", "dtype": "float32"}}))
     return directory
 
 
@@ -102,7 +103,8 @@ def test_logged_run_spans_the_job_not_the_logging(tmp_path, uri, experiment):
     run = only_run(uri, experiment)
     assert run.info.run_id == run_id and run.info.status == "FINISHED"
     assert (run.info.start_time, run.info.end_time) == (1_790_000_000_000, 1_790_000_725_500)
-    assert run.data.metrics["overall/acc_delta"] == -0.1 and run.data.metrics["time/evaluate"] == 36.75
+    # results without item_stats.parquet have no headline: their numbers are under detail/
+    assert run.data.metrics["detail/overall/acc_delta"] == -0.1 and run.data.metrics["detail/time/evaluate"] == 36.75
     assert run.data.params["quant.name"] == "int4_g128"
     assert run.data.tags["scheme"] == "int4_g128" and run.data.tags[tracking.RUN_KEY_TAG] == "key-int4_g128"
     assert tracking.log_results(directory, uri=uri, experiment=experiment) == run_id  # idempotent, still one run
@@ -240,7 +242,9 @@ def test_the_run_description_holds_the_terminal_table_and_the_gate(tmp_path, uri
     write_report(directory, GATE)
     run = tracking.log_results(directory, uri=uri, experiment=experiment)
     note = mlflow.tracking.MlflowClient(tracking_uri=uri).get_run(run).data.tags[tracking.NOTE_TAG]
-    assert note.startswith("**tiny_random · int4_g128** (4.125 bits/weight) vs the unquantized reference")
+    assert note.startswith("**tiny_random · int4_g128** (4.125 bits/weight) vs the reference "
+                           "(tiny_random as loaded: random weights in float32)")
+    assert "unquantized" not in note
     assert HEADLINE.to_markdown(index=False) in note  # the table as the terminal shows it, rows in order
     assert "sub_slice" not in note  # report.md's later sections stay in the artifacts
     assert "**Gate: fail** (exit code 1)" in note

@@ -21,6 +21,7 @@ import mlflow
 import pandas as pd
 import pytest
 
+from harness.results import mlflow_views
 from harness.results.tracking import SWEEP_TAG
 from tests.test_sweeps import TINY, harness_command, job_env, paths, run_harness, summaries
 
@@ -94,16 +95,24 @@ def test_sweep_logs_runs_metrics_and_artifacts_to_a_tracking_server(tmp_path, ca
             assert run.info.status == "FINISHED"
             assert run.data.tags[SWEEP_TAG] == str(sweep_dir)
             assert run.info.artifact_uri.startswith("mlflow-artifacts:")  # uploaded through the server
-            for name, value in summary["metrics"].items():
-                assert run.data.metrics[name] == pytest.approx(value, rel=1e-12, abs=0), name
+            for name, value in summary["metrics"].items():  # the detail set, exact, under detail/
+                if name.rpartition("/")[2] in mlflow_views.DETAIL_STATS:
+                    assert run.data.metrics[f"detail/{name}"] == pytest.approx(value, rel=1e-12, abs=0), name
+            for name in ("overall", *summary["slices"]):  # the headline, in points and rounded
+                assert run.data.metrics[f"acc_delta_pt/{name}"] == round(100 * summary["metrics"][f"{name}/acc_delta"], 1)
+                assert run.data.metrics[f"flips_right_to_wrong/{name}"] == \
+                    summary["metrics"][f"{name}/flips_right_to_wrong"]
+            assert run.info.run_name == f"{scheme} · tiny_random · {run.data.tags['verdict'].upper()} 1/1"
             assert run.data.params["quant.name"] == scheme
             listed = {a.path for a in client.list_artifacts(run.info.run_id)}
-            assert {"items.parquet", "summary.json", "config.yaml", "report.md"} <= listed
+            assert {"items.parquet", "summary.json", "config.yaml", "report.md", "items.json", "flips.json"} <= listed
             assert "checkpoint" not in listed
             local = mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="items.parquet",
                                                         dst_path=str(tmp_path / "download" / scheme), tracking_uri=uri)
             [results_dir] = [p for p in (tmp_path / "results").glob("*/") if f"__{scheme}__" in p.name]
             pd.testing.assert_frame_equal(pd.read_parquet(local), pd.read_parquet(results_dir / "items.parquet"))
+            prompts = pd.read_parquet(local)["prompt"]  # the prompt as the model saw it, for per-item review
+            assert prompts.str.len().gt(0).all()
         # The artifact store is the server's --artifacts-destination, not the job's disk.
         assert len(list((tmp_path / "server" / "artifacts").rglob("items.parquet"))) == 2
 
@@ -132,5 +141,7 @@ def test_unreachable_server_keeps_results_and_sync_logs_them_once(tmp_path, cach
         runs = client.search_runs([client.get_experiment_by_name("quant-harness").experiment_id])
         assert len(runs) == 1
         assert runs[0].info.status == "FINISHED"
-        assert runs[0].data.metrics["math/kl_mean"] == pytest.approx(summary["metrics"]["math/kl_mean"], rel=1e-12)
+        assert runs[0].data.metrics["detail/math/acc_delta"] == pytest.approx(summary["metrics"]["math/acc_delta"],
+                                                                               rel=1e-12)
+        assert runs[0].data.metrics["kl_mean/math"] == round(summary["metrics"]["math/kl_mean"], 4)
         assert runs[0].data.tags["harness.run_key"] == summary["run_key"]

@@ -40,10 +40,10 @@ RUNS = {"int8": ("A", 725.5, -0.006, 2, 1, 0.0031),
         "int4_g128": ("A", 1374.0, -0.047, 11, 3, 0.0412),
         "int4": ("B", 612.0, -0.125, 24, 4, 0.187)}
 HEADLINE = {"tags.`scheme`": "scheme", "tags.`model`": "model", "tags.`slices`": "slices",
-            "metrics.`overall/acc_delta`": "overall/acc_delta",
-            "metrics.`overall/flips_right_to_wrong`": "overall/flips_right_to_wrong",
-            "metrics.`overall/flips_wrong_to_right`": "overall/flips_wrong_to_right",
-            "metrics.`overall/kl_mean`": "overall/kl_mean"}
+            "metrics.`detail/overall/acc_delta`": "detail/overall/acc_delta",
+            "metrics.`detail/overall/flips_right_to_wrong`": "detail/overall/flips_right_to_wrong",
+            "metrics.`detail/overall/flips_wrong_to_right`": "detail/overall/flips_wrong_to_right",
+            "metrics.`detail/overall/kl_mean`": "detail/overall/kl_mean"}
 # Column order and widths, as the page saves them after a drag (widths apply to ordered columns only).
 COLUMN_ORDER = ["attributes.`Run Name`", "runDateAndNestInfo", "duration", "attributes.`Dataset`", *HEADLINE]
 COLUMN_WIDTHS = {"attributes.`Run Name`": 150, "runDateAndNestInfo": 110, "duration": 80, "attributes.`Dataset`": 420,
@@ -152,7 +152,7 @@ def test_reviewer_sees_the_classic_runs_table_with_datasets_headlines_and_sweeps
             row = runs[f"tiny/{scheme}"]
             assert (row["tags.`scheme`"], row["tags.`model`"], row["tags.`slices`"]) == (scheme, "tiny_random",
                                                                                          "math,code")
-            shown = [float(row[f"metrics.`overall/{m}`"]) for m in ("acc_delta", "flips_right_to_wrong",
+            shown = [float(row[f"metrics.`detail/overall/{m}`"]) for m in ("acc_delta", "flips_right_to_wrong",
                                                                     "flips_wrong_to_right", "kl_mean")]
             assert shown == pytest.approx([delta, worse, better, kl], rel=1e-3), (scheme, row)
 

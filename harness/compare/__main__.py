@@ -97,6 +97,12 @@ def _body(parsed: cli.Parsed[CompareOptions]) -> int:
     except ValueError as exc:  # no such experiment, no matching runs, a comparison run given as a run
         return cli.fail(str(exc))
     print(terminal_table(report))
+    if not options.dirs:  # runs from MLflow: the same runs side by side in its UI
+        from harness.results.tracking import headline_link
+
+        link = headline_link(options.tracking_uri, options.experiment, options.sweep)
+        if link:
+            print(f"MLflow headline view: {link}")
     return 0
 
 

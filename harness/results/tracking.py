@@ -12,14 +12,24 @@ view. MLflow 3.17's UI picks its GenAI or "Model training" view from a global sw
 ``workflowType`` URL parameter, else the browser's last choice, GenAI by default), so the
 links logged here (:func:`experiment_url`) carry ``workflowType=machine_learning``.
 
-Where a reviewer lands, the run page, its description (:func:`run_description`, the
-``mlflow.note.content`` tag) holds the terminal table and, when the job was gated, the gate's
-outcome per slice; the experiment's (:data:`EXPERIMENT_DESCRIPTION`) says what a run is.
+Where a reviewer lands, the run page, says the answer first (:mod:`harness.results.mlflow_views`):
+the run's name carries scheme, model and outcome (``int4_g128 · smollm2_135m · FAIL 4/5``), its tags
+``verdict`` / ``verdict.<slice>`` and colour the outcome, its description (:func:`run_description`,
+the ``mlflow.note.content`` tag) opens with four short lines (worst outcome, overall Δ, flips, one line
+per outcome group) above the terminal table and the gate's rows, and its metrics open with a fixed
+headline set per slice in points (``acc_delta_pt/<slice>``, ...), the rest under ``detail/``. The
+forest plot is an image of the run; ``items`` and ``flips`` are tables of it (MLflow's "Artifact
+evaluation" view). The experiment's description (:data:`EXPERIMENT_DESCRIPTION`) says what a run is,
+and its saved "Headline" views (one per sweep) put runs side by side.
 
 A sweep's runs share the tag ``harness.sweep_id`` (see :mod:`harness.job.sweep`); there is no
-parent run, so every run stays a plain, comparable job and parallel jobs never race to
-create one. To group them: *Group by* -> ``harness.sweep_id`` in the runs table; to see one
-sweep: the link logged with each of its runs, or the filter ``tags.`harness.sweep_id` = '<id>'``.
+parent run: a sweep's jobs are independent processes (Slurm jobs, possibly on several machines) that
+finish in any order, and none of them knows it is the last, so a parent created by the first to finish
+would race with the others and hold a comparison made before the sweep ended. The sweep's side-by-side
+is its saved view instead (each run's description links to it), and ``python -m harness.compare
+sweep=<id>`` logs the sweep's comparison as a run of its own (``harness.kind=comparison``). To group
+runs: *Group by* -> ``harness.sweep_id`` in the runs table; to see one sweep: the link logged with each
+of its runs, or the filter ``tags.`harness.sweep_id` = '<id>'``.
 """
 from __future__ import annotations
 
@@ -51,13 +61,15 @@ CLASSIC_EXPERIMENT_KIND = "custom_model_development"
 NOTE_TAG = "mlflow.note.content"  # the description of a run or experiment in the UI (Markdown)
 MAX_NOTE_CHARS = 8000  # MLflow's limit on a run tag's value
 EXPERIMENT_DESCRIPTION = (
-    "Each run is one job of the quant-harness: a quantized model (the run's `scheme` tag) against its own "
-    "unquantized reference (`model`), on the same items of each slice (`slices`; the Dataset column gives each "
-    "slice's item digest). Open a run: its description holds the per-slice table of the terminal — accuracy of "
-    "both sides, the paired Δ with its 95% interval, right→wrong / wrong→right flips, McNemar p, the verdict, "
-    "KL and top-1 agreement — and, when the job was gated, the gate's pass / fail / inconclusive per slice. "
-    "Everything else is under Artifacts: report.md, the per-item and per-token records, the job's log. Runs of "
-    "one sweep share the tag `harness.sweep_id` (Group by it).")
+    "Each run is one job of the quant-harness: a quantized model (the run's `scheme` tag) against its reference "
+    "(`model` as the job loaded it: a hub model's own weights, or a packaged GGUF file dequantized to float32; "
+    "each run's description says which), on the same items of each slice (`slices`; the Dataset column gives "
+    "each slice's item digest). A run's name ends with its outcome (FAIL 4/5: fail on 4 of 5 slices); its tags "
+    "`verdict` and `verdict.<slice>` say pass / fail / inconclusive per slice. Open a run: its description starts "
+    "with the outcome, the overall Δ and the flips, then holds the terminal's per-slice table; its metrics start "
+    "with Δ per slice in points (`acc_delta_pt/<slice>`); the tables items.json and flips.json hold every item "
+    "with both replies. The Views menu's Headline view puts runs side by side. Runs of one sweep share the tag "
+    "`harness.sweep_id` (Group by it).")
 
 
 def resolve_uri(uri: str | None) -> str:
@@ -145,36 +157,58 @@ def gate_markdown(gate: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run_description(result_dir: Path, summary: Mapping[str, Any]) -> str:
-    """The run page's description (Markdown): what was compared, the terminal table, the gate's outcome.
+_AUTO: Any = object()
 
-    Read from the results directory (report.md, gate.json), so ``harness.results.sync`` writes the same
-    one later. Within MLflow's 8,000 characters: the gate's rows are dropped first, then the table's.
+
+def run_description(result_dir: Path, summary: Mapping[str, Any], config: Mapping[str, Any] | None = None, *,
+                    head: Any = _AUTO, links: Mapping[str, str] | None = None) -> str:
+    """The run page's description (Markdown): the answer first, then what was compared, the terminal table
+    and the gate's outcome.
+
+    The first lines (:func:`harness.results.mlflow_views.headline_lines`: worst outcome, overall Δ, flips, one
+    line per outcome group, then ``links``) fit what MLflow shows before "Show more". Read from the results
+    directory (item_stats.parquet, report.md, gate.json, config.json), so ``harness.results.sync`` writes the
+    same one later. Within MLflow's 8,000 characters: the gate's rows are dropped first, then the table's.
     """
+    from harness.results import mlflow_views
+
+    result_dir = Path(result_dir)
+    if config is None:
+        path = result_dir / "config.json"
+        config = json.loads(path.read_text()) if path.exists() else {}
+    if head is _AUTO:
+        head = mlflow_views.headline(result_dir, summary)
+    # the job's own phrase when summary.json has one, else read from the config the same way
+    reference = summary.get("reference") or f"the reference ({mlflow_views.reference_text(config, summary)})"
     quant = summary.get("quant", {})
     bits = quant.get("bits_per_weight")
-    head = (f"**{summary.get('model', '?')} · {summary.get('scheme', '?')}**"
+    what = (f"**{summary.get('model', '?')} · {summary.get('scheme', '?')}**"
             + (f" ({float(bits):.3f} bits/weight)" if isinstance(bits, (int, float)) else "")
             + (f" — {float(quant['coverage_uncovered_share']):.1%} of matrix weights NOT COVERED"
                if float(quant.get("coverage_uncovered_share") or 0) > 0 else "")
-            + f" vs the unquantized reference; run key `{summary.get('run_key', '')}`")
+            + f" vs {reference}; run key `{summary.get('run_key', '')}`")
+    first = "  \n".join(mlflow_views.headline_lines(head, links)) if head is not None else ""
     report = result_dir / "report.md"
     table = _first_table(report.read_text()) if report.exists() else ""
     gate_path = result_dir / "gate.json"
     gate = gate_markdown(json.loads(gate_path.read_text())) if gate_path.exists() else ""
-    foot = "Details under Artifacts: report.md (sub-slices, generation, KL by position), job.log (every message)."
+    foot = ("Details under Artifacts: report.md (sub-slices, generation, KL by position), items.json and flips.json "
+            "(every item, both replies), job.log (every message).")
     from harness.results.report import sequential_lines
     stops = sequential_lines(dict(summary))  # a sequential run: where each slice stopped and why
     if stops:
-        head += "\n\n" + "\n".join(f"- {line.strip()}" for line in stops)
-    parts = [head, table, gate, foot]
-    text = "\n\n".join(p for p in parts if p)
+        what += "\n\n" + "\n".join(f"- {line.strip()}" for line in stops)
+
+    def joined() -> str:
+        return "\n\n".join(p for p in [first, what, table, gate, foot] if p)
+
+    text = joined()
     while len(text) > MAX_NOTE_CHARS and (gate or table):
         if gate:
             gate = "\n".join(gate.splitlines()[:-1]) if len(gate.splitlines()) > 3 else ""
         else:
             table = "\n".join(table.splitlines()[:-1]) if len(table.splitlines()) > 3 else ""
-        text = "\n\n".join(p for p in [head, table, gate, foot] if p)
+        text = joined()
     return text[:MAX_NOTE_CHARS]
 
 
@@ -362,6 +396,46 @@ def log_results(result_dir: str | os.PathLike, *, uri: str, experiment: str,
         return _log_results(result_dir, uri=uri, experiment=experiment, tags=tags)
 
 
+def review_options(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``tracking`` options of a run's config.json that shape its MLflow run (defaults for older configs).
+
+    ``review_tables`` (True): log the ``items`` and ``flips`` tables; ``table_prompt_chars`` (1500): how much
+    of each prompt's end they show (0: no prompt text in MLflow); ``all_metrics`` (False): also log every
+    number of summary.json's ``metrics`` under ``detail/``.
+    """
+    section = config.get("tracking") or {}
+    try:
+        prompt_chars = max(0, int(section.get("table_prompt_chars", 1500)))
+    except (TypeError, ValueError):
+        prompt_chars = 1500
+    return {"review_tables": bool(section.get("review_tables", True)), "table_prompt_chars": prompt_chars,
+            "all_metrics": bool(section.get("all_metrics", False))}
+
+
+def _review_artifacts(client: Any, run_id: str, result_dir: Path, head: Any, options: Mapping[str, Any],
+                      title: str, stamp: int) -> None:
+    """The forest plot as an image of the run, and the per-item tables; each a warning when it fails."""
+    from harness.results import mlflow_views
+
+    if head is not None:
+        try:
+            client.log_image(run_id, mlflow_views.forest_image(head, title), key="acc_delta/forest", step=0,
+                             timestamp=stamp)
+        except Exception as exc:
+            log.warning("forest plot not logged to MLflow (%s: %s)", type(exc).__name__, exc)
+    path = result_dir / "items.parquet"
+    if not options["review_tables"] or not path.exists():
+        return
+    try:
+        import pandas as pd
+
+        items, flips = mlflow_views.review_tables(pd.read_parquet(path), prompt_chars=options["table_prompt_chars"])
+        client.log_table(run_id, data=flips, artifact_file="flips.json")
+        client.log_table(run_id, data=items, artifact_file="items.json")
+    except Exception as exc:
+        log.warning("per-item tables not logged to MLflow (%s: %s)", type(exc).__name__, exc)
+
+
 def _log_results(result_dir: str | os.PathLike, *, uri: str, experiment: str,
                  tags: Mapping[str, str] | None = None) -> str:
     """Log one results directory to MLflow; returns the run id (existing or new).
@@ -370,11 +444,15 @@ def _log_results(result_dir: str | os.PathLike, *, uri: str, experiment: str,
     config passes its own ``harness.sweep_id`` and gets a run in its sweep (results logged
     from the same directory, not recomputed). Within one sweep, a config is logged once.
     The run carries the job's own start and end times (:func:`job_times`), not the moment
-    it was logged, so its duration is the job's.
+    it was logged, so its duration is the job's. Its name, verdict tags, description, headline
+    metrics, forest plot and tables follow :mod:`harness.results.mlflow_views`; the experiment's
+    saved Headline views are (re)written after it.
     """
     from mlflow.entities import Metric, Param
     from mlflow.tracking import MlflowClient
     from mlflow.tracking.context.registry import resolve_tags
+
+    from harness.results import mlflow_views
 
     result_dir = Path(result_dir)
     summary = json.loads((result_dir / "summary.json").read_text())
@@ -385,48 +463,96 @@ def _log_results(result_dir: str | os.PathLike, *, uri: str, experiment: str,
             "slices": ",".join(summary["slices"]), "method": summary.get("method", ""),
             **{k: str(v) for k, v in summary.get("tags", {}).items()},
             **{k: str(v) for k, v in (tags or {}).items()}}
-    existing = find_finished_run(client, experiment_id, summary["run_key"], tags.get(SWEEP_TAG))
+    sweep_id = tags.get(SWEEP_TAG)
+    existing = find_finished_run(client, experiment_id, summary["run_key"], sweep_id)
     if existing:
         log.info("MLflow already has finished run %s for this config; not logging twice", existing)
         return existing
+    options = review_options(config)
+    head = mlflow_views.headline(result_dir, summary)
+    links: dict[str, str] = {}
+    if head is not None and mlflow_views.views_supported():
+        key = mlflow_views.sweep_view_key(sweep_id) if sweep_id else mlflow_views.HEADLINE_VIEW_KEY
+        links["side by side" + (" (this sweep)" if sweep_id else "")] = mlflow_views.view_path(experiment_id, key)
+        if options["review_tables"]:
+            links["per item"] = mlflow_views.view_path(experiment_id, key, mode="ARTIFACT")
     started, ended = job_times(summary)
     end_ms = None if ended is None else int(round(ended * 1000))
     start_ms = end_ms if started is None else int(round(started * 1000))  # unknown start: at least the date
-    run = client.create_run(experiment_id, start_time=start_ms, run_name=summary["run_name"],
-                            tags=resolve_tags({**tags, NOTE_TAG: run_description(result_dir, summary)}))
+    note = run_description(result_dir, summary, config, head=head, links=links)
+    name = mlflow_views.run_name(head, summary, config)
+    run = client.create_run(experiment_id, start_time=start_ms, run_name=name,
+                            tags=resolve_tags({**tags, **mlflow_views.verdict_tags(head), NOTE_TAG: note}))
     run_id = run.info.run_id
     try:
         params = [Param(k, v) for k, v in flatten_config(config).items()]
         # an external candidate's scheme as read from its checkpoint (bits, groups, format, kept)
         described = {f"{k}.described": str(v)[:500] for k, v in summary.get("candidate", {}).items()}
         params += [Param(k, v) for k, v in described.items()]
-        metrics = {k: float(v) for k, v in summary["metrics"].items()}
-        metrics.update({f"time/{k}": float(v) for k, v in summary.get("timings", {}).items()})
-        metrics.update({f"quant/{k}": float(v) for k, v in summary.get("quant", {}).items()
-                        if isinstance(v, (int, float)) and abs(float(v)) != float("inf")})
-        metrics.update(flat_metrics(summary))  # peak memory and tokens/s per stage
         stamp = end_ms if end_ms is not None else int(time.time() * 1000)
+        first = [Metric(k, v, stamp, 0) for k, v in mlflow_views.headline_metrics(head)] if head is not None else []
+        # results without a headline (no item_stats.parquet) keep every number, under detail/
+        metrics = mlflow_views.detail_metrics(summary, everything=options["all_metrics"] or head is None)
+        metrics.update({f"detail/{k}": v for k, v in flat_metrics(summary).items()})  # memory, tokens/s per stage
         rows = []
-        for name, record in (summary.get("sequential") or {}).items():  # eval.sequential: the stop and the path
-            metrics.update({f"{name}/sequential_{key}": float(record[key])
+        for slice_name, record in (summary.get("sequential") or {}).items():  # eval.sequential: the stop, the path
+            metrics.update({f"detail/{slice_name}/sequential_{key}": float(record[key])
                             for key in ("items_used", "items_total", "clusters_used", "rounds_used")})
-            rows += [Metric(f"{name}/sequence_{key}", float(point[key]), stamp, int(point["items"]))
+            rows += [Metric(f"detail/{slice_name}/sequence_{key}", float(point[key]), stamp, int(point["items"]))
                      for point in record["trajectory"] for key in ("delta", "lower", "upper")]  # step = items used
         rows += [Metric(k, v, stamp, 0) for k, v in metrics.items()]
         for begin in range(0, len(params), 100):
             client.log_batch(run_id, params=params[begin:begin + 100])
+        if first:  # the run page lists metrics in the order they were logged: the headline first
+            client.log_batch(run_id, metrics=first)
         for begin in range(0, len(rows), 1000):
             client.log_batch(run_id, metrics=rows[begin:begin + 1000])
         client.log_inputs(run_id, datasets=slice_datasets(result_dir, list(summary["slices"]),
                                                           run.info.artifact_uri))
         client.log_artifacts(run_id, str(result_dir))
+        _review_artifacts(client, run_id, result_dir, head, options, f"{name}: Δ accuracy per slice", stamp)
     except BaseException:
         client.set_terminated(run_id, "FAILED")
         raise
     client.set_terminated(run_id, "FINISHED", end_time=end_ms)
     where = "" if uri.startswith(("http://", "https://")) else f" (after `mlflow ui --backend-store-uri {uri}`)"
-    log.info("MLflow runs table%s: %s", where, experiment_url(uri, experiment_id, tags.get(SWEEP_TAG)))
+    log.info("MLflow runs table%s: %s", where, experiment_url(uri, experiment_id, sweep_id))
+    if head is not None:
+        views = mlflow_views.write_views(client, experiment_id, [s.name for s in head.slices], sweep_id)
+        key = mlflow_views.sweep_view_key(sweep_id) if sweep_id else mlflow_views.HEADLINE_VIEW_KEY
+        if key in views:
+            log.info("MLflow headline view%s: %s", where, mlflow_views.absolute(uri, views[key]))
     return run_id
+
+
+def headline_link(uri: str | None, experiment: str, sweep: str | None = None) -> str | None:
+    """The Headline view of ``experiment`` (of one sweep with ``sweep``), written from the runs there; its
+    address, or None (no such experiment, no harness runs, an MLflow whose view format is unknown, a failure).
+
+    For ``harness.compare``: print it after the comparison table.
+    """
+    from harness.results import mlflow_views as views
+
+    try:
+        from mlflow.tracking import MlflowClient
+
+        resolved = resolve_uri(uri)
+        client = MlflowClient(tracking_uri=resolved)
+        found = client.get_experiment_by_name(experiment)
+        if found is None:
+            return None
+        query = f"tags.`{SWEEP_TAG}` = '{sweep}'" if sweep and "'" not in sweep else ""
+        runs = client.search_runs([found.experiment_id], filter_string=query, max_results=500)
+        slices = [s for run in runs if views.VERDICT_TAG in run.data.tags
+                  for s in run.data.tags.get("slices", "").split(",") if s]
+        if not runs or not slices:
+            return None
+        links = views.write_views(client, found.experiment_id, list(dict.fromkeys(slices)), sweep)
+        key = views.sweep_view_key(sweep) if sweep else views.HEADLINE_VIEW_KEY
+        return views.absolute(resolved, links[key]) if key in links else None
+    except Exception as exc:
+        log.warning("no MLflow Headline link (%s: %s)", type(exc).__name__, exc)
+        return None
 
 
 def flat_metrics(summary: dict[str, Any]) -> dict[str, float]:

@@ -753,6 +753,41 @@ def section_parity(check: Check, device: str, work: Path) -> None:
                    "disagree_sim_served", "disagree_floor", "excess", "exceeds_floor")})
 
 
+def section_serving_speed(check: Check, device: str, work: Path) -> None:
+    """Serving speed on a GPU's vLLM (``python -m harness.parity speed=only``): SmolLM2's FP8 W8A8 export against the
+    reference's own weights on the same engine, streaming, at 1 and 8 requests in flight (harness.engines.perf).
+    Expected on a GPU with FP8 units: a speed-up near or above 1 (on a 135M model the GEMMs are small, so launch
+    overheads dominate; unverified until a GPU runs it). Skipped on the CPU dry run and without vllm."""
+    import importlib.util
+
+    from harness.job import parity_runs as parity
+
+    if check.options.dry_run or importlib.util.find_spec("vllm") is None:
+        check.line("INFO", "serving_speed", "skipped: " + ("dry run" if check.options.dry_run else
+                                                          "vllm is not installed here"), "vllm importable")
+        return
+    serve = (f"{sys.executable} -m vllm.entrypoints.openai.api_server --model {{model}} --host 127.0.0.1 --port {{port}} "
+             "--dtype bfloat16 --max-model-len 2048 --gpu-memory-utilization 0.3 --enforce-eager")
+    out = work / "speed"
+    start = time.perf_counter()
+    code = parity.main(["model=smollm2_135m", "model.dtype=bfloat16", f"model.device={device}", "quant=fp8",
+                        "slices=[math]", "slices.math.n_items=16", "eval.max_gen_toks=16", "tracking.enabled=false",
+                        f"paths.cache_dir={work / 'cache'}", f"paths.results_dir={work / 'speed_results'}",
+                        "perf.concurrency=[1,8]", "perf.max_tokens=64", f"serve={serve}", f"out={out}", "speed=only"])
+    if code != 0 or not (out / "perf.json").exists():
+        check.line("FAIL", "serving_speed", f"exit {code}, no perf.json", "a speed table")
+        return
+    result = json.loads((out / "perf.json").read_text())
+    for level in result["levels"]:
+        c = level["concurrency"]
+        check.line("PASS", f"serving_speed/c{c}", f"fp8 {level['candidate']['output_tok_s']:.0f} tok/s, reference "
+                   f"{level['reference']['output_tok_s']:.0f} tok/s, speed-up {level['speedup']:.2f} "
+                   f"[{level['speedup_ci_low']:.2f}, {level['speedup_ci_high']:.2f}], TTFT p50 "
+                   f"{level['candidate']['ttft_p50'] * 1000:.0f} ms vs {level['reference']['ttft_p50'] * 1000:.0f} ms",
+                   "measured (a GPU with FP8 units: speed-up near or above 1)", speedup=level["speedup"])
+    check.line("INFO", "serving_speed", f"{time.perf_counter() - start:.0f} s; {result['headline']}")
+
+
 def body(parsed: cli.Parsed[Options]) -> int:
     opts = parsed.options
     assert opts is not None
@@ -780,6 +815,7 @@ def body(parsed: cli.Parsed[Options]) -> int:
         check.step("moe", lambda: section_moe(check, device))
         check.step("e2e", lambda: section_e2e(check, device_name, work))
         check.step("parity", lambda: section_parity(check, device_name, work))
+        check.step("serving_speed", lambda: section_serving_speed(check, device_name, work))
     failed = [row["check"] for row in check.rows if row["status"] == "FAIL"]
     check.line("FAIL" if failed else "PASS", "total", f"{check.elapsed():.0f} s, {len(check.rows)} checks, "
                f"{len(failed)} failed" + (f": {', '.join(failed)}" if failed else ""), f"≤ {opts.budget_s:.0f} s")

@@ -101,6 +101,7 @@ SECTIONS: list[tuple[str, list[str]]] = [
     ("TrackingConfig", ["tracking."]),
     ("PathsConfig", ["paths."]),
     ("RuntimeConfig", ["runtime."]),
+    ("PerfConfig", ["perf."]),
 ]
 METHOD_SETTINGS_AFTER = "KVCacheQuantConfig"
 

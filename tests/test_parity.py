@@ -120,7 +120,7 @@ def test_command_on_finished_runs_writes_the_table(tmp_path, capsys):
                             "log=false"])
     assert code == 0
     printed = capsys.readouterr().out
-    assert "EXCEEDS FLOOR" in printed and "disagree beyond the engine-noise floor" in printed
+    assert "EXCEEDS FLOOR" in printed and "disagree beyond the larger noise floor" in printed
     table = pd.read_parquet(out / "parity.parquet")
     again = parity_table(ParityInputs(load_results_dir(dirs[0]), load_results_dir(dirs[1]), load_results_dir(dirs[2])))
     pd.testing.assert_frame_equal(table, again)

@@ -5,7 +5,11 @@ Three finished runs on the same items:
 
 - ``simulation``: the harness's own quantization of a scheme (``python -m harness quant=fp8``);
 - ``served``: that scheme's export, answered by a serving engine (``candidate.serve`` / ``candidate.endpoint``);
-- ``floor`` (optional): the unquantized reference, answered by the same engine: the engine-noise floor.
+- ``floor`` (optional): the unquantized reference, answered by the same engine: the engine-noise floor;
+- ``own_floor`` (optional): the scheme's simulation again, with its input embeddings moved in the last bit
+  (:mod:`harness.quant.perturb`): the scheme's own noise floor. A scheme whose dynamic activation
+  quantization puts values on rounding boundaries changes its greedy replies under any arithmetic
+  difference, whatever the engine; a floor measured at ``none`` cannot be that scheme's floor.
 
 Per slice (and overall) :func:`parity_table` reports
 
@@ -15,13 +19,17 @@ Per slice (and overall) :func:`parity_table` reports
 - the share of items whose answers differ (a generation's reply text, a multiple-choice item's
   chosen answer) between simulation and served, and between the reference in process and the
   reference served (the floor);
-- ``excess``: Δ of the two agreement rates on the same items (agreement of simulation with served
-  minus agreement of the reference with its served self), its interval from the same statistic, and
-  ``exceeds_floor`` when that interval lies wholly below 0: the simulation and the engine disagree
-  more than the engines alone do. The test is the paired score test at the interval's level, so its
-  false-flag rate is that test's one-sided level (2.5 % at 95 %), as measured for the gate
-  (docs/explanation/gate-operating-characteristics.md) and for these agreement rates by
-  ``benchmarks/bench_parity_oc.py``;
+- the excess over each floor: Δ of two agreement rates on the same items (agreement of simulation with
+  served minus agreement of the floor's pair: the reference with its served self, ``excess_engine``; the
+  simulation with its perturbed self, ``excess_own``), each with its interval from the same statistic;
+  ``binding_floor`` names the floor that disagrees more (``engine`` or ``scheme``) and ``excess`` is the
+  excess over it. ``exceeds_floor`` when the excess over *every* floor given lies wholly below 0: the
+  simulation and the engine disagree more than the larger floor. An intersection-union test, so its
+  false-flag rate is still at most one paired score test's one-sided level (2.5 % at 95 %), as
+  measured for the gate (docs/explanation/gate-operating-characteristics.md) and for these agreement
+  rates by ``benchmarks/bench_parity_oc.py``;
+- the quality headline: ``verdict``, Δ accuracy served − simulation read against an equivalence margin
+  (``margin``), and ``kl_check``, the simulation's exact KL against the served run's bound;
 - the token divergence of each run from the reference, as each run measured it (``kl_sim``: the
   simulation's exact KL; ``kl_served`` / ``kl_floor``: a served run's, a lower bound when the server
   returns top-k log-probs only, named in ``kl_served_on``).
@@ -38,7 +46,7 @@ from harness.compare.sources import RunData
 from harness.errors import UsageError
 from harness.results import summary
 
-__all__ = ["ParityInputs", "agreement_frame", "excess_over_floor", "parity_table"]
+__all__ = ["ParityInputs", "agreement_frame", "excess_over_floor", "headline", "parity_markdown", "parity_table"]
 
 KEYS = ["item_id"]
 DESIGN = ["slice", "sub_slice", "cluster", "stratum"]
@@ -49,12 +57,15 @@ class ParityInputs:
     simulation: RunData
     served: RunData
     floor: RunData | None = None
+    own_floor: RunData | None = None  # the simulation with its inputs moved in the last bit
 
     def check(self) -> None:
         """The runs answer the same items of the same model, else one line saying which differ."""
         runs = {"simulation": self.simulation, "served": self.served}
         if self.floor is not None:
             runs["floor"] = self.floor
+        if self.own_floor is not None:
+            runs["own floor"] = self.own_floor
         models = {name: run.model for name, run in runs.items()}
         if len(set(models.values())) > 1:
             raise UsageError(f"parity compares runs of one model; these are of {models}: pick runs of the same "
@@ -79,7 +90,8 @@ def agreement_frame(inputs: ParityInputs) -> pd.DataFrame:
 
     ``correct_ref`` / ``correct_quant`` hold the simulation's and the served artifact's correctness
     (Δ = served − simulation); ``agree_parity`` is 1 where the two answered alike, ``agree_floor``
-    where the reference in process and the reference served did (NaN without a floor run).
+    where the reference in process and the reference served did (NaN without a floor run), ``agree_own``
+    where the simulation and its last-bit perturbed twin did (NaN without that run).
     """
     inputs.check()
     sim = inputs.simulation.items.set_index("item_id")
@@ -95,6 +107,11 @@ def agreement_frame(inputs: ParityInputs) -> pd.DataFrame:
                                 ).astype(float)
     else:
         frame["agree_floor"] = np.nan
+    if inputs.own_floor is not None:
+        frame["agree_own"] = (_answers(inputs.simulation.items, "quant").loc[sim.index]
+                              == _answers(inputs.own_floor.items, "quant").loc[sim.index]).astype(float)
+    else:
+        frame["agree_own"] = np.nan
     return frame.reset_index()
 
 
@@ -108,19 +125,56 @@ def _token_column(run: RunData | None, slice_name: str) -> tuple[float, str]:
     return (float(value) if value is not None else float("nan")), on
 
 
-def excess_over_floor(items: pd.DataFrame, **settings) -> dict:
-    """Agreement of simulation with served minus agreement of the reference with its served self, on the same
-    items (``agree_parity``, ``agree_floor``), with its interval from the clustered paired score statistic
-    (``settings``: :func:`harness.stats.compare_frame`'s), and whether it lies wholly below 0."""
-    row = stats.compare_frame(items.assign(overall="overall"), by=["overall"], ref_col="agree_floor",
+def excess_over_floor(items: pd.DataFrame, floor_col: str = "agree_floor", **settings) -> dict:
+    """Agreement of simulation with served minus agreement of a floor's pair (``floor_col``: the reference with
+    its served self, ``agree_floor``; the simulation with its perturbed self, ``agree_own``), on the same
+    items, with its interval from the clustered paired score statistic (``settings``:
+    :func:`harness.stats.compare_frame`'s), and whether it lies wholly below 0."""
+    row = stats.compare_frame(items.assign(overall="overall"), by=["overall"], ref_col=floor_col,
                               quant_col="agree_parity", **settings).iloc[0]
     return {"excess": row["delta"], "excess_ci_low": row["delta_ci_low"], "excess_ci_high": row["delta_ci_high"],
             "exceeds_floor": bool(row["delta_ci_high"] < 0)}
 
 
+def _floors(part: pd.DataFrame, common: dict) -> dict:
+    """The excess over each floor given, the binding (larger) floor, and the flag (see the module)."""
+    out: dict = {}
+    given = {}
+    for name, column in (("engine", "agree_floor"), ("own", "agree_own")):
+        if part[column].notna().all():
+            found = excess_over_floor(part, column, **common)
+            given[name] = found
+            out.update({f"excess_{name}": found["excess"], f"excess_{name}_ci_low": found["excess_ci_low"],
+                        f"excess_{name}_ci_high": found["excess_ci_high"]})
+        else:
+            out.update({f"excess_{name}": np.nan, f"excess_{name}_ci_low": np.nan, f"excess_{name}_ci_high": np.nan})
+    if not given:
+        return {**out, "binding_floor": None, "excess": np.nan, "excess_ci_low": np.nan, "excess_ci_high": np.nan,
+                "exceeds_floor": None}
+    # the floor whose pair agrees less binds; on a tie the engine's
+    binding = min(given, key=lambda name: (-given[name]["excess"], name != "engine"))
+    return {**out, "binding_floor": "engine" if binding == "engine" else "scheme",
+            "excess": given[binding]["excess"], "excess_ci_low": given[binding]["excess_ci_low"],
+            "excess_ci_high": given[binding]["excess_ci_high"],
+            "exceeds_floor": all(found["exceeds_floor"] for found in given.values())}
+
+
+def _kl_check(kl_sim: float, kl_served: float, on: str) -> str:
+    """The simulation's KL from the reference against the served run's (a bound where ``on`` says so)."""
+    if np.isnan(kl_sim) or np.isnan(kl_served):
+        return ""
+    if on == "top-k lower bound":
+        if kl_served > kl_sim:
+            return "served further from the reference than simulated (its lower bound exceeds the simulation's KL)"
+        return "consistent (the served lower bound does not exceed the simulation's KL)"
+    return "served further from the reference than simulated" if kl_served > kl_sim else \
+        "served not further from the reference than simulated"
+
+
 def parity_table(inputs: ParityInputs, *, ci_level: float = 0.95, seed: int = 0,
-                 min_clusters: int = stats.MIN_CLUSTERS) -> pd.DataFrame:
-    """Per slice and overall: accuracy Δ (served − simulation), answer agreement, excess over the floor, KL."""
+                 min_clusters: int = stats.MIN_CLUSTERS, margin: float = 0.02) -> pd.DataFrame:
+    """Per slice and overall: accuracy Δ (served − simulation) and its verdict against ``margin`` (the quality
+    headline), answer agreement, the excess over each floor, the flag, KL."""
     frame = agreement_frame(inputs).assign(overall="overall")
     strata = summary.design_strata(frame)  # slice x declared stratum, as every run's own statistics
     if strata is not None:
@@ -131,7 +185,7 @@ def parity_table(inputs: ParityInputs, *, ci_level: float = 0.95, seed: int = 0,
                   correction="none", ci_level=ci_level, min_clusters=min_clusters, n_resamples=200)
     rows = []
     for by in (["overall"], ["slice"]):
-        accuracy = stats.compare_frame(frame, by=by, **common)
+        accuracy = stats.compare_frame(frame, by=by, margin=margin, **common)
         for _, row in accuracy.iterrows():
             name = row[by[0]]
             part = frame if name == "overall" else frame[frame["slice"] == name]
@@ -139,16 +193,82 @@ def parity_table(inputs: ParityInputs, *, ci_level: float = 0.95, seed: int = 0,
                    "delta": row["delta"], "delta_ci_low": row["delta_ci_low"], "delta_ci_high": row["delta_ci_high"],
                    "sim_right_served_wrong": int(row["flips_right_to_wrong"]),
                    "sim_wrong_served_right": int(row["flips_wrong_to_right"]),
+                   "verdict": row["verdict"], "margin": margin,
                    "disagree_sim_served": 1.0 - float(part["agree_parity"].mean()),
-                   "disagree_floor": 1.0 - float(part["agree_floor"].mean())}
-            if part["agree_floor"].notna().all():
-                out.update(excess_over_floor(part, **common))
-            else:
-                out.update(excess=np.nan, excess_ci_low=np.nan, excess_ci_high=np.nan, exceeds_floor=None)
+                   "disagree_floor": 1.0 - float(part["agree_floor"].mean()),
+                   "disagree_own_floor": 1.0 - float(part["agree_own"].mean())}
+            out.update(_floors(part, common))
             kl_slice = "overall" if name == "overall" else name
             out["kl_sim"], _ = _token_column(inputs.simulation, kl_slice)
             out["kl_served"], out["kl_served_on"] = _token_column(inputs.served, kl_slice)
             out["kl_floor"], _ = _token_column(inputs.floor, kl_slice)
+            out["kl_own_floor"], _ = _token_column(inputs.own_floor, kl_slice)
+            out["kl_check"] = _kl_check(out["kl_sim"], out["kl_served"], out["kl_served_on"])
             rows.append(out)
     return pd.DataFrame(rows)
 
+
+
+LEGEND = ("disagree: share of items answered differently (reply text, chosen answer); engine floor: the reference "
+          "against its served self; scheme floor: the simulation against itself with its input embeddings moved "
+          "in the last bit. excess: agreement of simulation with served minus agreement of the floor's pair, on the "
+          "same items, over the larger floor; EXCEEDS FLOOR when the excess over every floor lies below 0. "
+          "Δ and its verdict: served − simulation against the equivalence margin. KL: each run's own divergence "
+          "from the reference (served runs: a lower bound on the server's top-k log-probs, where the server "
+          "returns them).")
+
+
+def _num(value, spec: str) -> str:
+    return "–" if value is None or (isinstance(value, float) and np.isnan(value)) else format(value, spec)
+
+
+def parity_markdown(table: pd.DataFrame) -> str:
+    """:func:`parity_table`'s rows as Markdown, both floors beside the disagreement, intervals beside estimates."""
+    from harness.results.formatting import pct, points
+
+    def interval(estimate: float, low: float, high: float) -> str:
+        return "–" if estimate is None or np.isnan(estimate) else points(estimate, low, high)
+
+    rows = []
+    for row in table.to_dict("records"):
+        binding = {"engine": "engine", "scheme": "scheme"}.get(row.get("binding_floor"), "")
+        rows.append({
+            "slice": row["slice"], "n": row["n"], "acc sim %": pct(row["acc_sim"]),
+            "acc served %": pct(row["acc_served"]),
+            "Δ served − sim pt [CI]": interval(row["delta"], row["delta_ci_low"], row["delta_ci_high"]),
+            "verdict": row.get("verdict", ""),
+            "flips sim→served r→w / w→r": f"{row['sim_right_served_wrong']} / {row['sim_wrong_served_right']}",
+            "disagree sim/served %": pct(row["disagree_sim_served"]),
+            "engine floor %": pct(row["disagree_floor"]),
+            "scheme floor %": pct(row.get("disagree_own_floor", float("nan"))),
+            "excess over larger floor pt [CI]": interval(row["excess"], row["excess_ci_low"], row["excess_ci_high"])
+            + (f" ({binding})" if binding else ""),
+            "flag": {True: "EXCEEDS FLOOR", False: "not shown beyond floor"}.get(row["exceeds_floor"], "no floor run"),
+            "KL sim": _num(row["kl_sim"], ".4f"),
+            "KL served": ("≥ " if row.get("kl_served_on") == "top-k lower bound" else "") + _num(row["kl_served"], ".4f"),
+            "KL floor": _num(row["kl_floor"], ".4f")})
+    return pd.DataFrame(rows).to_markdown(index=False)
+
+
+def headline(table: pd.DataFrame) -> list[str]:
+    """Parity's headline, quality first: one line for Δ accuracy and its verdict with KL, one for reply identity
+    against the larger floor (the overall row)."""
+    from harness.results.formatting import points
+
+    row = table.set_index("slice").loc["overall"]
+    kl = ""
+    if not np.isnan(row["kl_sim"]) and not np.isnan(row["kl_served"]):
+        bound = "≥ " if row["kl_served_on"] == "top-k lower bound" else ""
+        kl = f"; KL simulated {row['kl_sim']:.4f} vs served {bound}{row['kl_served']:.4f}: {row['kl_check']}"
+    quality = (f"quality: Δ accuracy served − simulated {points(row['delta'], row['delta_ci_low'], row['delta_ci_high'])}"
+               f" pt, {row['verdict']}{kl}")
+    n = int(row["n"])
+    floors = [f"engine floor {round(row['disagree_floor'] * n)}/{n}" if not np.isnan(row["disagree_floor"]) else "",
+              f"scheme's own floor {round(row['disagree_own_floor'] * n)}/{n}"
+              if not np.isnan(row["disagree_own_floor"]) else ""]
+    floors = ", ".join(f for f in floors if f) or "no floor run"
+    flag = {True: "EXCEEDS the larger floor", False: "not shown beyond the larger floor"}.get(row["exceeds_floor"],
+                                                                                             "no flag without a floor")
+    identity = (f"reply identity: {round(row['disagree_sim_served'] * n)}/{n} items answered differently; {floors}: "
+                f"{flag}")
+    return [quality, identity]

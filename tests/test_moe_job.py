@@ -70,5 +70,5 @@ def test_tiny_moe_runs_the_whole_job(tmp_path: Path, make_cfg, cache_dir: Path, 
     from mlflow.tracking import MlflowClient
     client = MlflowClient(tracking_uri=cfg.tracking.uri)
     runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
-    assert any(r.data.metrics.get("quant/coverage_quantized_share") == pytest.approx(coverage["quantized_share"])
-               and "quant/router_identical_mean" in r.data.metrics for r in runs)
+    assert any(r.data.metrics.get("detail/quant/coverage_quantized_share") == pytest.approx(coverage["quantized_share"])
+               and "detail/quant/router_identical_mean" in r.data.metrics for r in runs)

@@ -79,5 +79,5 @@ def test_run_records_memory_and_throughput_in_summary_and_mlflow(make_cfg, tmp_p
     assert result["throughput"] == through
     client = mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     run, = client.search_runs([client.get_experiment_by_name("quant-harness").experiment_id])
-    assert run.data.metrics["throughput/evaluate/tokens_per_s"] == pytest.approx(through["evaluate"]["tokens_per_s"])
-    assert run.data.metrics["resources/host_rss_peak_gb"] == pytest.approx(rss)
+    assert run.data.metrics["detail/throughput/evaluate/tokens_per_s"] == pytest.approx(through["evaluate"]["tokens_per_s"])
+    assert run.data.metrics["detail/resources/host_rss_peak_gb"] == pytest.approx(rss)

@@ -55,7 +55,7 @@ DETAIL_STATS = ("n", "n_clusters", "acc_delta", "acc_delta_ci_low", "acc_delta_c
                 "flip_rate", "kl_se", "kl_p99", "kl_reverse_mean", "kl_plain_mean", "kl_prompt_mean", "top1_agree",
                 "ppl_ratio", "gen_identical_rate", "kl_lower_bound_mean")
 DETAIL_QUANT = ("bits_per_weight", "bits_per_param_total", "quantized_fraction", "sqnr_db_mean", "sqnr_db_min",
-                "weight_gb", "layers_quantized")
+                "weight_gb", "layers_quantized", "coverage_quantized_share")  # and an MoE's router_* agreement
 
 # MLflow versions whose UI reads the saved views written here (ExperimentPageUIState, checked in its source
 # and in a browser by tests/test_tracking_views.py). Another version: no view, one log line.
@@ -300,7 +300,7 @@ def detail_metrics(summary: Mapping[str, Any], *, everything: bool = False) -> d
             out[f"detail/{key}"] = number
     for key, value in (summary.get("quant") or {}).items():
         number = _finite(value) if not isinstance(value, bool) else None
-        if number is not None and (everything or key in DETAIL_QUANT):
+        if number is not None and (everything or key in DETAIL_QUANT or key.startswith("router_")):
             out[f"detail/quant/{key}"] = number
     for key, value in (summary.get("timings") or {}).items():
         number = _finite(value) if not isinstance(value, bool) else None

@@ -143,5 +143,5 @@ def test_compare_shows_the_parity_table(tmp_path):
     written = (tmp_path / "compare" / "comparison.md").read_text()
     assert "## Simulation against served" in written and "EXCEEDS FLOOR" in written
     pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "compare" / "parity.parquet"), expected)
-    with pytest.raises(ValueError, match="2 or 3 runs"):
+    with pytest.raises(ValueError, match="2 to 4 runs"):
         compare_runs(dirs=dirs[:1], parity=True, write=False)

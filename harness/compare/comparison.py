@@ -56,9 +56,9 @@ def execute(options: CompareOptions, *, write: bool) -> ComparisonReport:
         loaded = [load_mlflow_run(client, r.info.run_id) for r in selected]
     report = analyse(loaded, options)
     if options.parity:
-        if not 2 <= len(loaded) <= 3:
-            raise ValueError(f"parity=true compares 2 or 3 runs (simulation, served, floor), not {len(loaded)}: "
-                             "give them in that order with dirs=[...] or runs=[...]")
+        if not 2 <= len(loaded) <= 4:
+            raise ValueError(f"parity=true compares 2 to 4 runs (simulation, served, engine floor, the scheme's own "
+                             f"floor), not {len(loaded)}: give them in that order with dirs=[...] or runs=[...]")
         report.parity = parity_table(ParityInputs(*loaded), ci_level=options.ci_level)
     if write:
         out = default_out_dir(report)

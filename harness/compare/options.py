@@ -42,7 +42,8 @@ class CompareOptions:
     out: str | None = _opt(None, "None: results/compare/<name>")
     log: bool = _opt(True, "log the comparison to MLflow (only when runs came from MLflow)")
     parity: bool = _opt(False, "the runs, in the order given, are a scheme's simulation, its export served by an engine "
-                               "and (optional) the reference served by that engine: add the simulation-against-served "
+                               "and (optional) the reference served by that engine and the scheme's own floor (its "
+                               "simulation with inputs moved in the last bit): add the simulation-against-served "
                                "table (python -m harness.parity)")
 
     def report_name(self) -> str:

@@ -7,6 +7,7 @@ import math
 import pandas as pd
 
 from harness.compare.analysis import ComparisonReport
+from harness.compare.render.parity import LEGEND, parity_markdown
 from harness.results.formatting import count, flips, lower_bound_mark, num, pct, pct_pm, pm, points
 
 __all__ = ["PARITY_LEGEND", "caption", "detail_table", "matrix_table", "method_note", "parity_markdown",
@@ -133,31 +134,5 @@ def caption(name: str) -> str:
     return CAPTIONS.get(name, name)
 
 
-PARITY_LEGEND = ("disagree: share of items answered differently (reply text, chosen answer). excess: agreement of "
-          "simulation with served minus agreement of the reference with its served self, on the same items; "
-          "EXCEEDS FLOOR when its interval lies below 0. KL: each run's own divergence from the reference "
-          "(served runs: a lower bound on the server's top-k log-probs, where the server returns them).")
-
-
-def parity_markdown(table: pd.DataFrame) -> str:
-    """:func:`harness.compare.parity_table.parity_table`'s rows as Markdown, intervals beside their estimates."""
-    def number(value: float, spec: str) -> str:
-        return "–" if value is None or math.isnan(value) else format(value, spec)
-
-    def interval(estimate: float, low: float, high: float) -> str:
-        return "–" if math.isnan(estimate) else points(estimate, low, high)
-
-    rows = []
-    for row in table.to_dict("records"):
-        rows.append({
-            "slice": row["slice"], "n": row["n"], "acc sim %": pct(row["acc_sim"]),
-            "acc served %": pct(row["acc_served"]),
-            "Δ served − sim pt [CI]": interval(row["delta"], row["delta_ci_low"], row["delta_ci_high"]),
-            "flips sim→served r→w / w→r": f"{row['sim_right_served_wrong']} / {row['sim_wrong_served_right']}",
-            "disagree sim/served %": pct(row["disagree_sim_served"]),
-            "disagree floor %": pct(row["disagree_floor"]),
-            "excess over floor pt [CI]": interval(row["excess"], row["excess_ci_low"], row["excess_ci_high"]),
-            "flag": {True: "EXCEEDS FLOOR", False: "not shown beyond floor"}.get(row["exceeds_floor"], "no floor run"),
-            "KL sim": number(row["kl_sim"], ".4f"), "KL served": number(row["kl_served"], ".4f"),
-            "KL floor": number(row["kl_floor"], ".4f")})
-    return pd.DataFrame(rows).to_markdown(index=False)
+# parity (simulation against served, beside both floors) is rendered where it is computed
+PARITY_LEGEND = LEGEND

@@ -365,6 +365,26 @@ class PerfConfig:
 
 
 @dataclass
+class PromptsConfig:
+    """``prompts.*``: your own prompt log as the ``prompts`` slice (``slices=prompts prompts.path=FILE``): no gold
+    answers; the reference's and the candidate's replies are compared (harness.results.prompt_outcomes). The
+    slice's item set is keyed by the file's content, not only its path."""
+
+    # a JSONL of chat messages, a JSONL/CSV/Parquet file with a text column, an OpenAI Batch API input file or a
+    # datasets directory (harness.evaluation.prompt_log); null: the packaged example log
+    path: Optional[str] = None
+    # the text column of a file without chat messages; null: prompt, text or input, the first present
+    field: Optional[str] = None
+    # a seeded sample of this many prompts (stratified by the rows' stratum); null: every prompt
+    sample: Optional[int] = None
+    # new tokens per reply where a row sets no max_tokens of its own
+    max_tokens: int = 256
+    # log prompt and reply text to MLflow (items tables, artifacts); false: metrics, counts and hashes only, the
+    # text stays in the local results directory
+    log_text: bool = False
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = MISSING
     quant: QuantConfig = MISSING
@@ -377,6 +397,7 @@ class RunConfig:
     paths: PathsConfig = field(default_factory=PathsConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     perf: PerfConfig = field(default_factory=PerfConfig)  # serving speed on an engine (not in any run's key)
+    prompts: PromptsConfig = field(default_factory=PromptsConfig)  # the prompts slice's log (keyed through it)
     force: bool = False  # recompute even when a finished result for this config exists
 
 

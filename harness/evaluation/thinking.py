@@ -344,50 +344,6 @@ def trace_frame(reference: pd.DataFrame, candidate: pd.DataFrame, spec: Thinking
     return pd.DataFrame(rows)
 
 
-def ratio_of_means(ref: np.ndarray, cand: np.ndarray, clusters: Any, *, n_resamples: int = 2000,
-                   ci_level: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
-    """(sum(cand) / sum(ref), percentile interval of a paired cluster bootstrap); NaN where undefined.
-
-    Whole clusters are drawn with replacement, the same draw for both sides (the pairing), and the ratio of
-    the drawn sums is taken each time."""
-    from harness.stats.paired import cluster_codes
-
-    ref, cand = np.asarray(ref, dtype=float), np.asarray(cand, dtype=float)
-    if ref.size == 0 or ref.sum() <= 0:
-        return math.nan, math.nan, math.nan
-    estimate = float(cand.sum() / ref.sum())
-    codes = cluster_codes(clusters, ref.size)
-    groups = int(codes.max()) + 1
-    if groups < 2:
-        return estimate, math.nan, math.nan
-    ref_sums = np.bincount(codes, weights=ref, minlength=groups)
-    cand_sums = np.bincount(codes, weights=cand, minlength=groups)
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(0, groups, size=(n_resamples, groups))
-    counts = np.zeros((n_resamples, groups))
-    np.add.at(counts, (np.repeat(np.arange(n_resamples), groups), picks.ravel()), 1.0)
-    denominators = counts @ ref_sums
-    ratios = np.where(denominators > 0, (counts @ cand_sums) / np.where(denominators > 0, denominators, 1), np.nan)
-    ratios = ratios[np.isfinite(ratios)]
-    tail = (1 - ci_level) / 2
-    return estimate, float(np.quantile(ratios, tail)), float(np.quantile(ratios, 1 - tail))
-
-
-def _rate(values: np.ndarray, codes: np.ndarray, ci_level: float) -> tuple[float, float, float]:
-    """(rate, interval): Wilson's interval on the Korn–Graubard effective size (harness.stats.intervals)."""
-    from scipy import stats as sps
-
-    from harness.stats.intervals import effective_scale, wilson
-
-    rate = float(values.mean())
-    scale = effective_scale(codes, values, ci_level)
-    if not math.isfinite(scale):
-        return rate, math.nan, math.nan
-    z = float(sps.norm.ppf(1 - (1 - ci_level) / 2))
-    low, high = wilson(values.sum() * scale, values.size * scale, z)
-    return rate, low, high
-
-
 def thinking_metrics(frame: pd.DataFrame, *, ci_level: float = 0.95, n_resamples: int = 2000,
                      seed: int = 0) -> dict[str, float]:
     """``<slice>/think_*`` metrics of a :func:`trace_frame` (and ``overall/think_*``), flat for summary.json.
@@ -397,7 +353,8 @@ def thinking_metrics(frame: pd.DataFrame, *, ci_level: float = 0.95, n_resamples
     minus reference, the clustered score interval of :func:`harness.stats.paired_compare`): the differences of
     the cap-hit, unclosed and loop rates; the ratio of thinking tokens (candidate over reference, summed over the
     items, paired cluster bootstrap); the share of identical traces and the mean first departure (tokens)."""
-    from harness.stats.paired import cluster_codes, paired_compare
+    from harness.stats.intervals import clustered_rate
+    from harness.stats.paired import cluster_codes, paired_compare, ratio_of_means
 
     out: dict[str, float] = {}
     if frame.empty:
@@ -415,7 +372,7 @@ def thinking_metrics(frame: pd.DataFrame, *, ci_level: float = 0.95, n_resamples
             if not known.any():
                 continue
             for side in SIDES:
-                rate, low, high = _rate(columns[side][known].to_numpy(), codes[known.to_numpy()], ci_level)
+                rate, low, high = clustered_rate(columns[side][known].to_numpy(), codes[known.to_numpy()], ci_level)
                 out[f"{prefix}{what}_{side}"] = rate
                 if math.isfinite(low):
                     out[f"{prefix}{what}_{side}_ci_low"], out[f"{prefix}{what}_{side}_ci_high"] = low, high

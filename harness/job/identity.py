@@ -23,7 +23,7 @@ from harness.job.divergence_texts import SERVED_FORMAT, served_format
 from harness.models import loading as models
 
 # Config sections that say where results go or how a job runs, not what it computes.
-TRANSIENT_SECTIONS = ("tracking", "paths", "force", "runtime", "gate", "perf")
+TRANSIENT_SECTIONS = ("tracking", "paths", "force", "runtime", "gate", "perf", "prompts")  # prompts: via its slice
 # The built-in methods' settings had run-config sections of their own until every method's moved to quant.settings.
 # A run key keeps that layout, so that runs from before are found again: each section at the defaults it then had,
 # the scheme's own method's section its settings (defaults filled), quant.settings empty.
@@ -90,6 +90,20 @@ def tokenizer_dir(loaded: models.LoadedModel) -> str | None:
     return path if path and Path(path).exists() else None
 
 
+def input_file_digest(path: Any) -> str | None:
+    """The content digest of a slice's input file or directory (``slices.<name>.metadata.path``), None when unset or
+    absent (the generator then says what is wrong)."""
+    if path in (None, ""):
+        return None
+    where = Path(str(path)).expanduser()
+    if where.is_file():
+        return file_sha256(where)[:16]
+    if where.is_dir():
+        return stable_hash({str(p.relative_to(where)): file_sha256(p)[:16]
+                            for p in sorted(where.rglob("*")) if p.is_file()}, 16)
+    return None
+
+
 def slice_identity(slice_: Slice) -> dict[str, Any]:
     """Everything that determines a slice's items and prompts (files hashed by content)."""
     files = {}
@@ -97,6 +111,9 @@ def slice_identity(slice_: Slice) -> dict[str, Any]:
         for path in sorted(slice_.directory.glob("*")):
             if path.suffix in (".py", ".yaml", ".json", ".jsonl", ".txt"):
                 files[path.name] = file_sha256(path)[:16]
+    logged = input_file_digest(slice_.config.metadata.get("path"))
+    if logged:  # a prompt log outside the slice's directory (prompts.path): its content, not only its name
+        files["metadata.path"] = logged
     return {"name": slice_.name, "config": _unset_design_dropped(dataclasses.asdict(slice_.config)), "files": files}
 
 
@@ -154,6 +171,10 @@ def run_key(cfg: RunConfig, model_identity: dict | None = None) -> str:
     for transient in TRANSIENT_SECTIONS:
         data.pop(transient, None)
     data["slices"] = {name: _unset_design_dropped(dict(config)) for name, config in (data.get("slices") or {}).items()}
+    for name, config in data["slices"].items():  # a prompt log is keyed by its content too
+        logged = input_file_digest((config.get("metadata") or {}).get("path"))
+        if logged:
+            config["input_digest"] = logged
     if cfg.eval.sequential:  # where a slice stops depends on the gate's level and margins
         data["sequential_stop"] = {"alpha": cfg.gate.alpha, "margin": cfg.gate.margin, "margins": dict(cfg.gate.margins),
                                    "slices": list(cfg.gate.slices), "correction": cfg.gate.correction}

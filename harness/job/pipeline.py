@@ -58,7 +58,7 @@ from harness.models import loading as models
 from harness.models import placement
 from harness.models.reference_label import describe_reference
 from harness.quant.calibration import check_format
-from harness.results import longgen, report, summary, tracking
+from harness.results import longgen, prompt_outcomes, report, summary, tracking
 from harness.results.tracking import SWEEP_TAG
 from harness.sizing import ledger
 
@@ -353,6 +353,10 @@ def write_results(job: Job, judged: Candidate, references: dict[str, SliceRefere
     result = summary_record(cfg, job.key, comparison, judged.quant_report, references, evaluated, timings,
                             judged.loaded)
     result["metrics"].update(think_metrics)
+    prompt_metrics, prompt_frame = prompt_log_outcomes(job, items, tokenizer)
+    if not prompt_frame.empty:  # numbers and language codes only: no prompt or reply text
+        _write_parquet(prompt_frame, results_dir / "prompt_outcomes.parquet")
+    result["metrics"].update(prompt_metrics)
     if judged.quant_report.bits_known:  # a served candidate with no local checkpoint: no bits, no ledger
         result["quant"].update(capacity_ledger.metrics())
     result["reference_deferred"] = deferred  # read after evaluating: another job computed them
@@ -573,6 +577,29 @@ def write_records(directory: Path, cfg: RunConfig, items: pd.DataFrame, tokens: 
     _write_parquet(pd.DataFrame(quant_report.to_records()), directory / "quant_layers.parquet")
 
 
+def prompt_log_outcomes(job: Job, items: pd.DataFrame, tokenizer: Any) -> tuple[dict[str, float], pd.DataFrame]:
+    """The gold-free outcomes of every prompt-log slice of the run (harness.results.prompt_outcomes)."""
+    frames = []
+    for slice_ in job.checked.slices:
+        if PROMPT_LOG_TASK not in slice_.config.tasks:
+            continue
+        rows = {f"{PROMPT_LOG_TASK}/{row['id']}": row for row in slice_.items(**slice_.metadata(job.cfg.eval.seed))}
+        part = items[items["slice"] == slice_.name]
+        if not part.empty:
+            frames.append(prompt_outcomes.outcome_frame(
+                part, rows, lambda text: tokenizer(text, add_special_tokens=False)["input_ids"],
+                cap_override=job.cfg.eval.max_gen_toks))
+    if not frames:
+        return {}, pd.DataFrame()
+    frame = pd.concat(frames, ignore_index=True)
+    compare = job.cfg.compare
+    return prompt_outcomes.outcome_metrics(frame, ci_level=compare.ci_level, n_resamples=compare.n_resamples,
+                                           seed=compare.seed), frame
+
+
+PROMPT_LOG_TASK = "harness_prompts"  # the task of a prompt-log slice (slices/prompts/)
+
+
 def write_analysis(directory: Path, cfg: RunConfig, comparison: summary.Comparison, quant_report: quant.QuantReport,
                    result: dict, capacity_ledger: ledger.Ledger,
                    long_generation: longgen.LongGenReport | None = None) -> None:
@@ -593,6 +620,10 @@ def write_analysis(directory: Path, cfg: RunConfig, comparison: summary.Comparis
         _write_parquet(long_generation.curve, directory / "long_generation_survival.parquet")
         longgen.plot_survival({cfg.quant.name: long_generation.curve}, directory / "long_generation_survival.png")
         markdown += "\n" + long_generation.markdown() + "\n![survival](long_generation_survival.png)\n"
+    for name in result.get("slices", []):
+        section = prompt_outcomes.markdown(result["metrics"], name)
+        if section:
+            markdown += "\n" + section
     atomic_write_text(directory / "report.md", markdown)
 
 

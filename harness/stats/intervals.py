@@ -23,7 +23,7 @@ import math
 import numpy as np
 from scipy import stats as sps
 
-__all__ = ["clustered_variance", "effective_scale", "newcombe_paired", "wilson"]
+__all__ = ["clustered_rate", "clustered_variance", "effective_scale", "newcombe_paired", "wilson"]
 
 
 def wilson(successes: float, total: float, z: float) -> tuple[float, float]:
@@ -92,3 +92,14 @@ def effective_scale(codes: np.ndarray, values: np.ndarray, ci_level: float) -> f
     tail = 1 - (1 - ci_level) / 2
     ratio = float(sps.norm.ppf(tail) / sps.t.ppf(tail, n_clusters - 1))
     return ratio * ratio / design_effect
+
+
+def clustered_rate(values: np.ndarray, codes: np.ndarray, ci_level: float) -> tuple[float, float, float]:
+    """(rate, interval): Wilson's interval on the Korn–Graubard effective size (harness.stats.intervals)."""
+    rate = float(values.mean())
+    scale = effective_scale(codes, values, ci_level)
+    if not math.isfinite(scale):
+        return rate, math.nan, math.nan
+    z = float(sps.norm.ppf(1 - (1 - ci_level) / 2))
+    low, high = wilson(values.sum() * scale, values.size * scale, z)
+    return rate, low, high

@@ -412,6 +412,56 @@ def review_options(config: Mapping[str, Any]) -> dict[str, Any]:
             "all_metrics": bool(section.get("all_metrics", False))}
 
 
+PROMPT_LOG_TASK = "harness_prompts"  # the task of a prompt-log slice (slices/prompts/)
+TEXT_COLUMNS = ("prompt", "response_ref", "response_quant", "target")  # items.parquet's text
+
+
+def private_slices(config: Mapping[str, Any]) -> set[str]:
+    """The slices of a run whose prompt and reply text must not reach MLflow: prompt logs, unless
+    ``prompts.log_text``."""
+    if (config.get("prompts") or {}).get("log_text"):
+        return set()
+    return {name for name, settings in (config.get("slices") or {}).items()
+            if PROMPT_LOG_TASK in ((settings or {}).get("tasks") or [])}
+
+
+def redacted_items(items: Any, private: set[str]) -> Any:
+    """``items`` with the text of the ``private`` slices' rows replaced by its hash (``sha256:<16 hex>``; empty stays
+    empty), so that a reviewer can still see which replies are identical."""
+    from harness.evaluation.prompt_log import content_hash
+
+    out = items.copy()
+    rows = out["slice"].astype(str).isin(private)
+    for column in TEXT_COLUMNS:
+        if column in out:
+            out[column] = out[column].astype(object)
+            out.loc[rows, column] = [f"sha256:{content_hash(str(text))}" if str(text) else ""
+                                     for text in out.loc[rows, column]]
+    return out
+
+
+@contextlib.contextmanager
+def shown_results(result_dir: Path, private: set[str]) -> Iterator[Path]:
+    """The results directory as MLflow may see it: itself, or (with ``private`` slices) a copy whose items.parquet
+    holds hashes in place of their text (every other file holds no item text: tests/test_prompts_slice.py)."""
+    if not private or not (result_dir / "items.parquet").exists():
+        yield result_dir
+        return
+    import shutil
+    import tempfile
+
+    import pandas as pd
+
+    with tempfile.TemporaryDirectory(prefix="harness-redacted-") as temporary:
+        shown = Path(temporary) / result_dir.name
+        shutil.copytree(result_dir, shown, ignore=shutil.ignore_patterns("items.parquet"))
+        redacted_items(pd.read_parquet(result_dir / "items.parquet"), private).to_parquet(shown / "items.parquet",
+                                                                                           index=False)
+        log.info("prompt and reply text of %s not logged to MLflow (hashes instead; prompts.log_text=true logs it)",
+                 ", ".join(sorted(private)))
+        yield shown
+
+
 def _review_artifacts(client: Any, run_id: str, result_dir: Path, head: Any, options: Mapping[str, Any],
                       title: str, stamp: int) -> None:
     """The forest plot as an image of the run, and the per-item tables; each a warning when it fails."""
@@ -509,8 +559,9 @@ def _log_results(result_dir: str | os.PathLike, *, uri: str, experiment: str,
             client.log_batch(run_id, metrics=rows[begin:begin + 1000])
         client.log_inputs(run_id, datasets=slice_datasets(result_dir, list(summary["slices"]),
                                                           run.info.artifact_uri))
-        client.log_artifacts(run_id, str(result_dir))
-        _review_artifacts(client, run_id, result_dir, head, options, f"{name}: Δ accuracy per slice", stamp)
+        with shown_results(result_dir, private_slices(config)) as shown:  # a prompt log's text stays local
+            client.log_artifacts(run_id, str(shown))
+            _review_artifacts(client, run_id, shown, head, options, f"{name}: Δ accuracy per slice", stamp)
     except BaseException:
         client.set_terminated(run_id, "FAILED")
         raise

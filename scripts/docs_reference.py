@@ -102,6 +102,7 @@ SECTIONS: list[tuple[str, list[str]]] = [
     ("PathsConfig", ["paths."]),
     ("RuntimeConfig", ["runtime."]),
     ("PerfConfig", ["perf."]),
+    ("PromptsConfig", ["prompts."]),
 ]
 METHOD_SETTINGS_AFTER = "KVCacheQuantConfig"
 
@@ -536,10 +537,11 @@ METRICS: dict[str, tuple[str, str]] = {
 
 
 def _module_metrics() -> dict[str, tuple[str, str]]:
-    """Keys a module documents beside its own code (harness.evaluation.thinking)."""
+    """Keys a module documents beside its own code (harness.evaluation.thinking, harness.results.prompt_outcomes)."""
     sys.path.insert(0, str(REPO))
     from harness.evaluation import thinking
-    return dict(thinking.METRIC_DOCS)
+    from harness.results import prompt_outcomes
+    return {**thinking.METRIC_DOCS, **prompt_outcomes.METRIC_DOCS}
 
 
 METRICS.update(_module_metrics())

@@ -222,3 +222,19 @@ def test_a_job_on_your_log_keeps_its_text_local_unless_asked(tmp_path):
     assert shown.returncode == 0, shown.stderr[-3000:]
     leaked = [p for p in _grep(tmp_path / "shown", MARKER.encode()) if not p.startswith("results/")]
     assert leaked, "with prompts.log_text=true the prompt text reaches MLflow"
+
+
+def test_a_bad_log_is_refused_before_any_model_is_loaded(make_cfg, tmp_path):
+    from harness.config import to_config
+    from harness.job.pipeline import preflight
+
+    log = tmp_path / "log.jsonl"
+    log.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
+                   + json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": "hello"}]}) + "\n")
+    cfg = to_config(make_cfg("model=tiny_random", "slices=prompts", f"prompts.path={log}"))
+    with pytest.raises(prompt_log.PromptLogError, match=r"row 2: the last message is from 'assistant'"):
+        preflight(cfg)
+    missing = to_config(make_cfg("model=tiny_random", "slices=prompts", f"prompts.path={tmp_path / 'nope.jsonl'}"))
+    with pytest.raises(prompt_log.PromptLogError, match="nope.jsonl"):
+        preflight(missing)

@@ -381,6 +381,9 @@ def preflight(cfg: RunConfig) -> Preflight:
     check_cache_dir(cfg.paths.cache_dir)  # writable, with the locking the cache needs
     slices = resolve(cfg.slices)
     check_hub_for_registry(slices)
+    for slice_ in slices:  # a prompt log is read and checked row by row now, not once the model is loaded
+        if PROMPT_LOG_TASK in slice_.config.tasks:
+            slice_.items(**slice_.metadata(cfg.eval.seed))
     quant.validate_scheme(cfg.quant)
     check_format(cfg.quant.calibration, cfg.model.chat_template, cfg.model.name)
     check_settings(cfg)

@@ -286,6 +286,10 @@ class GateConfig:
     token: TokenGateConfig = field(default_factory=TokenGateConfig)  # token limits for every slice
     token_slices: dict[str, TokenGateConfig] = field(default_factory=dict)  # per-slice token limits
     slices: list[str] = field(default_factory=list)  # gate only these slices ([]: every slice of the run)
+    # A prompt log's gold-free outcomes (slices=prompts): the largest increase allowed, as a fraction, of refused,
+    # loop, empty or cap_hit replies, or the largest loss of json, code or language kept; e.g. {refused: 0.02,
+    # json: 0.05}. Read off the interval the report shows beside the outcome ({}: none gated).
+    outcomes: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -238,3 +238,56 @@ def test_a_bad_log_is_refused_before_any_model_is_loaded(make_cfg, tmp_path):
     missing = to_config(make_cfg("model=tiny_random", "slices=prompts", f"prompts.path={tmp_path / 'nope.jsonl'}"))
     with pytest.raises(prompt_log.PromptLogError, match="nope.jsonl"):
         preflight(missing)
+
+
+def _outcome_run(metrics: dict) -> object:
+    from harness.decision.gate_inputs import RunResults
+
+    return RunResults(Path("."), {"metrics": metrics}, {}, pd.DataFrame())
+
+
+def test_gate_reads_each_outcome_off_its_interval():
+    from harness.config import GateConfig
+    from harness.decision.criteria import outcome_criteria
+    from harness.decision.gate_inputs import GateInputError
+
+    metrics = {"prompts/po_n": 120, "prompts/po_refused_delta": 0.01, "prompts/po_refused_delta_ci_low": -0.01,
+               "prompts/po_refused_delta_ci_high": 0.03, "prompts/po_json_eligible": 40,
+               "prompts/po_json_lost_delta": -0.25, "prompts/po_json_lost_delta_ci_low": -0.40,
+               "prompts/po_json_lost_delta_ci_high": -0.12, "prompts/po_loop_delta": 0.02,
+               "prompts/po_loop_delta_ci_low": -0.01, "prompts/po_loop_delta_ci_high": 0.06}
+    cfg = GateConfig(outcomes={"refused": 0.05, "json": 0.05, "loop": 0.03})
+    found = {c.criterion: c for c in outcome_criteria(_outcome_run(metrics), cfg, ["prompts", "math"])}
+    assert found["outcome_refused"].outcome == "pass"  # +3.0 at most, within 5
+    assert found["outcome_json"].outcome == "fail"  # a loss of at least 12 pt, beyond 5
+    assert found["outcome_json"].numbers["ci_low"] == pytest.approx(0.12)
+    assert found["outcome_loop"].outcome == "inconclusive"  # [-1, +6] straddles 3
+    assert "allowed at most 5.0 pt" in found["outcome_refused"].message
+    with pytest.raises(GateInputError, match="gate.outcomes.refusals: unknown outcome"):
+        outcome_criteria(_outcome_run(metrics), GateConfig(outcomes={"refusals": 0.02}), ["prompts"])
+
+
+@pytest.mark.parametrize("base_rate", [0.02, 0.10])
+def test_the_outcome_criterion_passes_a_change_at_the_limit_rarely(base_rate):
+    """Measured, not assumed: refusals rising by exactly the limit (5 pt) over 120 prompts in 40 conversations of
+    3, with conversations that share a propensity (a clustered design), pass in at most 5 % of 400 simulated runs
+    (the 95 % interval's one-sided error is 2.5 % nominal)."""
+    from harness.config import GateConfig
+    from harness.decision.criteria import outcome_criteria
+    from harness.stats.paired import paired_compare
+
+    rng = np.random.default_rng(7)
+    limit, groups, size, passes = 0.05, 40, 3, 0
+    for _ in range(400):
+        propensity = rng.beta(2, 2 / base_rate - 2, size=groups)  # mean base_rate, varying by conversation
+        ref = rng.random((groups, size)) < propensity[:, None]
+        turn = limit / (1 - base_rate)  # non-refusals that turn: the increase is the limit on average
+        quant = ref | (rng.random((groups, size)) < turn)
+        result = paired_compare(ref.ravel().astype(float), quant.ravel().astype(float),
+                                clusters=np.repeat(np.arange(groups), size), n_resamples=200)
+        metrics = {"prompts/po_n": groups * size, "prompts/po_refused_delta": result.delta,
+                   "prompts/po_refused_delta_ci_low": result.delta_ci[0],
+                   "prompts/po_refused_delta_ci_high": result.delta_ci[1]}
+        decided, = outcome_criteria(_outcome_run(metrics), GateConfig(outcomes={"refused": limit}), ["prompts"])
+        passes += decided.outcome == "pass"
+    assert passes / 400 <= 0.05, passes

@@ -330,12 +330,64 @@ def token_criteria(run: RunResults, cfg: GateConfig, slices: list[str]) -> list[
     return out
 
 
+# gate.outcomes keys: the metric each reads (po_<key>_delta: an increase is worse; po_<key>_lost_delta: a loss)
+RISING_OUTCOMES = ("refused", "loop", "empty", "cap_hit")
+KEPT_OUTCOMES = ("json", "code", "language")
+
+
+def check_outcome_limits(cfg: GateConfig) -> None:
+    """gate.outcomes names known outcomes with limits in [0, 1], else one line saying which and what to use."""
+    for key, limit in dict(cfg.outcomes).items():
+        if key not in RISING_OUTCOMES + KEPT_OUTCOMES:
+            raise GateInputError(f"gate.outcomes.{key}: unknown outcome; use one of "
+                                 f"{', '.join(RISING_OUTCOMES + KEPT_OUTCOMES)}")
+        if not 0 <= float(limit) < 1:
+            raise GateInputError(f"gate.outcomes.{key}={limit}: give the largest change allowed as a fraction in "
+                                 "[0, 1), e.g. 0.02 for 2 points")
+
+
+def outcome_criteria(run: RunResults, cfg: GateConfig, slices: list[str]) -> list[Criterion]:
+    """A prompt log's gold-free outcomes against ``gate.outcomes``: the change (an increase of refusals, loops,
+    empty replies or cap hits; a loss of JSON, code or language kept) read off its displayed interval
+    (compare.ci_level, two-sided): pass when the whole interval is within the limit, fail when the whole interval
+    is beyond it, inconclusive otherwise or with fewer than gate.min_items prompts."""
+    check_outcome_limits(cfg)
+    metrics = run.summary.get("metrics", {})
+    out = []
+    for name in slices:
+        n = metrics.get(f"{name}/po_n")
+        if n is None:
+            continue
+        for key, limit in dict(cfg.outcomes).items():
+            stem = f"{name}/po_{key}_delta" if key in RISING_OUTCOMES else f"{name}/po_{key}_lost_delta"
+            worse = "increase" if key in RISING_OUTCOMES else "loss"
+            sign = 1.0 if key in RISING_OUTCOMES else -1.0  # the change, made "larger is worse"
+            delta, low, high = (metrics.get(stem), metrics.get(f"{stem}_ci_low"), metrics.get(f"{stem}_ci_high"))
+            count = n if key in RISING_OUTCOMES else metrics.get(f"{name}/po_{key}_eligible", 0)
+            criterion = f"outcome_{key}"
+            if delta is None or low is None or high is None or (count or 0) < cfg.min_items:
+                out.append(Criterion(name, criterion, INCONCLUSIVE,
+                                     f"inconclusive: {key} {worse} has {int(count or 0)} prompts to judge (gate."
+                                     f"min_items={cfg.min_items}) or no interval", [f"{key}: too few prompts"],
+                                     {"limit": limit, "n": count}))
+                continue
+            change, lo, hi = sign * delta, min(sign * low, sign * high), max(sign * low, sign * high)
+            outcome = PASS if hi <= limit else FAIL if lo > limit else INCONCLUSIVE
+            shown = f"{100 * change:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}] pt"
+            out.append(Criterion(name, criterion, outcome,
+                                 f"{outcome}: {key} {worse} {shown}, allowed at most {100 * limit:.1f} pt",
+                                 [] if outcome == PASS else [f"{key} {worse} {shown} vs {100 * limit:.1f} pt"],
+                                 {"change": change, "ci_low": lo, "ci_high": hi, "limit": limit, "n": count}))
+    return out
+
+
 def decide_run(run: RunResults, cfg: GateConfig) -> RunDecision:
     accuracy = accuracy_criteria(run, cfg)
     slices = [c.slice for c in accuracy]
     tokens = token_criteria(run, cfg, slices)
+    outcomes = outcome_criteria(run, cfg, slices)
     order = {s: i for i, s in enumerate(slices)}
-    criteria = sorted(accuracy + tokens, key=lambda c: order[c.slice])
+    criteria = sorted(accuracy + tokens + outcomes, key=lambda c: order[c.slice])
     notes = [f"{run.summary.get('scheme', '')}: {line}" for line in simulation_lines(run.summary)]
     return RunDecision(str(run.summary.get("run_name", run.directory.name)), str(run.directory),
                        str(run.summary.get("model", "")), str(run.summary.get("scheme", "")), criteria, notes)

@@ -381,6 +381,7 @@ def preflight(cfg: RunConfig) -> Preflight:
     check_cache_dir(cfg.paths.cache_dir)  # writable, with the locking the cache needs
     slices = resolve(cfg.slices)
     check_hub_for_registry(slices)
+    gate.check_outcome_limits(cfg.gate)  # gate.outcomes: known outcomes, limits in [0, 1)
     for slice_ in slices:  # a prompt log is read and checked row by row now, not once the model is loaded
         if PROMPT_LOG_TASK in slice_.config.tasks:
             slice_.items(**slice_.metadata(cfg.eval.seed))

@@ -161,6 +161,8 @@ def method_settings_fields() -> dict[str, tuple[str, list[FieldDoc]]]:
         spec = quant.get_method(name)
         if spec.settings is None or not spec.quantize.__module__.startswith("harness.quant."):
             continue
+        if name.endswith("_ulp"):  # a scheme's own-floor twin (harness.quant.perturb), present once that is imported
+            continue
         module = sys.modules[spec.settings.__module__]
         out[name] = (spec.settings.__name__, dataclass_fields(module, Path(module.__file__))[spec.settings.__name__])
     return out

@@ -53,6 +53,9 @@ CSV_SUFFIXES = (".csv", ".tsv")
 PARQUET_MAGIC = b"PAR1"
 
 
+TASK = "harness_prompts"  # the lm-eval task of a prompt-log slice (slices/prompts/)
+
+
 class PromptLogError(UserError, ValueError):
     """A prompt log that cannot be read as slice items; the message names the row, the problem and the fix."""
 

@@ -32,7 +32,7 @@ from harness.decision import gate
 from harness.divergence import scoring as divergence
 from harness.engines import served
 from harness.errors import UsageError
-from harness.evaluation import evaluate, sequential_run, thinking
+from harness.evaluation import evaluate, prompt_log, sequential_run, thinking
 from harness.evaluation.evaluate import check_settings
 from harness.evaluation.slices import Slice, check_hub_for_registry, resolve
 from harness.infra import devices, joblog, progress
@@ -383,7 +383,7 @@ def preflight(cfg: RunConfig) -> Preflight:
     check_hub_for_registry(slices)
     gate.check_outcome_limits(cfg.gate)  # gate.outcomes: known outcomes, limits in [0, 1)
     for slice_ in slices:  # a prompt log is read and checked row by row now, not once the model is loaded
-        if PROMPT_LOG_TASK in slice_.config.tasks:
+        if prompt_log.TASK in slice_.config.tasks:
             slice_.items(**slice_.metadata(cfg.eval.seed))
     quant.validate_scheme(cfg.quant)
     check_format(cfg.quant.calibration, cfg.model.chat_template, cfg.model.name)
@@ -585,9 +585,9 @@ def prompt_log_outcomes(job: Job, items: pd.DataFrame, tokenizer: Any) -> tuple[
     """The gold-free outcomes of every prompt-log slice of the run (harness.results.prompt_outcomes)."""
     frames = []
     for slice_ in job.checked.slices:
-        if PROMPT_LOG_TASK not in slice_.config.tasks:
+        if prompt_log.TASK not in slice_.config.tasks:
             continue
-        rows = {f"{PROMPT_LOG_TASK}/{row['id']}": row for row in slice_.items(**slice_.metadata(job.cfg.eval.seed))}
+        rows = {f"{prompt_log.TASK}/{row['id']}": row for row in slice_.items(**slice_.metadata(job.cfg.eval.seed))}
         part = items[items["slice"] == slice_.name]
         if not part.empty:
             frames.append(prompt_outcomes.outcome_frame(
@@ -599,9 +599,6 @@ def prompt_log_outcomes(job: Job, items: pd.DataFrame, tokenizer: Any) -> tuple[
     compare = job.cfg.compare
     return prompt_outcomes.outcome_metrics(frame, ci_level=compare.ci_level, n_resamples=compare.n_resamples,
                                            seed=compare.seed), frame
-
-
-PROMPT_LOG_TASK = "harness_prompts"  # the task of a prompt-log slice (slices/prompts/)
 
 
 def write_analysis(directory: Path, cfg: RunConfig, comparison: summary.Comparison, quant_report: quant.QuantReport,

@@ -412,17 +412,18 @@ def review_options(config: Mapping[str, Any]) -> dict[str, Any]:
             "all_metrics": bool(section.get("all_metrics", False))}
 
 
-PROMPT_LOG_TASK = "harness_prompts"  # the task of a prompt-log slice (slices/prompts/)
 TEXT_COLUMNS = ("prompt", "response_ref", "response_quant", "target")  # items.parquet's text
 
 
 def private_slices(config: Mapping[str, Any]) -> set[str]:
     """The slices of a run whose prompt and reply text must not reach MLflow: prompt logs, unless
     ``prompts.log_text``."""
+    from harness.evaluation.prompt_log import TASK
+
     if (config.get("prompts") or {}).get("log_text"):
         return set()
     return {name for name, settings in (config.get("slices") or {}).items()
-            if PROMPT_LOG_TASK in ((settings or {}).get("tasks") or [])}
+            if TASK in ((settings or {}).get("tasks") or [])}
 
 
 def redacted_items(items: Any, private: set[str]) -> Any:

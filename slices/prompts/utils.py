@@ -16,8 +16,7 @@ from typing import Any
 
 from lm_eval.api.task import ConfigurableTask
 
-from harness.config import SLICES_DIR
-from harness.evaluation.slices import import_slice_module
+from harness.results import prompt_outcomes
 
 
 def _messages(doc: dict) -> list[dict[str, str]]:
@@ -68,20 +67,12 @@ def plain_text(messages: list[dict[str, str]]) -> str:
     return "\n\n".join(turns) + "\n\nAssistant:"
 
 
-def _detectors() -> tuple[Any, Any]:
-    refusals = import_slice_module(SLICES_DIR / "refusals", "utils")
-    longgen = import_slice_module(SLICES_DIR / "long_generation", "utils")
-    return refusals.is_refusal, lambda text: longgen.ends_in_loop(longgen.words(text))
-
-
 def score(response: str) -> dict[str, int]:
-    """A reply's gold-free checks: ``acc`` (usable), ``refused``, ``loop``, ``empty``."""
-    is_refusal, loops = _detectors()
-    empty = not response.strip()
-    refused = bool(is_refusal(response))
-    loop = bool(loops(response))
-    return {"acc": int(not (empty or refused or loop)), "refused": int(refused), "loop": int(loop),
-            "empty": int(empty)}
+    """A reply's gold-free checks (harness.results.prompt_outcomes.reply_checks): ``acc`` (usable), ``refused``,
+    ``loop``, ``empty``."""
+    checks = prompt_outcomes.reply_checks(response)
+    usable = not (checks["empty"] or checks["refused"] or checks["loop"])
+    return {"acc": int(usable), "refused": checks["refused"], "loop": checks["loop"], "empty": checks["empty"]}
 
 
 def process_results(doc: dict, results: list[str]) -> dict[str, int]:

@@ -216,6 +216,11 @@ def test_a_job_on_your_log_keeps_its_text_local_unless_asked(tmp_path):
     assert summary["metrics"]["prompts/po_n"] == 10  # the duplicate dropped
     assert "## Your prompts" in (results / "report.md").read_text()
     assert set(pd.read_parquet(results / "prompt_outcomes.parquet")["stratum"]) == {"support", "code"}
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'private' / 'mlflow.db'}")
+    run, = client.search_runs([client.get_experiment_by_name("quant-harness").experiment_id])
+    assert run.data.metrics["detail/prompts/po_n"] == 10  # the outcomes reach the run's metrics
+    assert "detail/prompts/po_refused_delta" in run.data.metrics
     assert _grep(tmp_path / "private", MARKER.encode()) == [str(results.relative_to(tmp_path / "private")
                                                                  / "items.parquet")]
     shown = job(tmp_path / "shown", "prompts.log_text=true")

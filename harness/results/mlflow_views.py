@@ -296,7 +296,7 @@ def detail_metrics(summary: Mapping[str, Any], *, everything: bool = False) -> d
     for key, value in (summary.get("metrics") or {}).items():
         name, _, stat = str(key).rpartition("/")
         number = _finite(value)
-        if number is not None and (everything or stat in DETAIL_STATS):
+        if number is not None and (everything or stat in DETAIL_STATS or stat.startswith("po_")):  # po_: your prompts
             out[f"detail/{key}"] = number
     for key, value in (summary.get("quant") or {}).items():
         number = _finite(value) if not isinstance(value, bool) else None

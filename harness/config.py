@@ -88,6 +88,7 @@ class CandidateConfig:
     # generation requests in flight at once, so that the engine can batch them (1: one at a time, as lm-eval
     # sends them; more is faster on an engine, and its replies may then depend on how it batched them)
     endpoint_concurrency: int = 1
+    endpoint_max_requests_per_s: Optional[float] = None  # the server's rate limit, requests started per second (null: none)
     # log-probs asked per position of the divergence texts: KL on the server's top-k partition, a lower bound of the
     # exact KL that tightens as k grows (vLLM returns at most --max-logprobs, 20 by default); 0: no token divergence
     endpoint_divergence_topk: int = 20
@@ -290,6 +291,13 @@ class GateConfig:
     # loop, empty or cap_hit replies, or the largest loss of json, code or language kept; e.g. {refused: 0.02,
     # json: 0.05}. Read off the interval the report shows beside the outcome ({}: none gated).
     outcomes: dict[str, float] = field(default_factory=dict)
+    # A thinking model's trace (model.thinking on): the largest increase allowed of trace_ratio (trace tokens,
+    # candidate / reference - 1, e.g. 0.2 = 20 % longer), or of the cap_hit, unclosed or loop rates (fractions);
+    # e.g. {trace_ratio: 0.2, cap_hit: 0.02}. Read off the interval the report shows ({}: none gated).
+    thinking: dict[str, float] = field(default_factory=dict)
+    # The pairwise judge (judge.endpoint): the largest candidate loss rate minus win rate allowed, read off the
+    # paired interval the report shows (null: not gated)
+    judge_loss_max: Optional[float] = None
 
 
 @dataclass
@@ -389,6 +397,44 @@ class PromptsConfig:
 
 
 @dataclass
+class ReferenceConfig:
+    """``reference.*``: a served reference (the staged production comparison): the deployed model answers the same
+    items over its OpenAI-compatible server, beside a served candidate (``candidate.endpoint``/``candidate.serve``),
+    in place of the reference computed in this process from ``model=``. Unset: the reference runs in process."""
+
+    endpoint: Optional[str] = None  # a running server's base URL, e.g. http://127.0.0.1:8001 (no credentials in it)
+    serve: Optional[str] = None  # or a command the harness starts on a free loopback port, with {port} in it
+    endpoint_model: Optional[str] = None  # the served model's id; None: the server's only model
+    endpoint_api_key_env: Optional[str] = None  # NAME of the environment variable holding the API key, never the key
+    endpoint_timeout_s: float = 600.0  # one request; a server silent for longer counts as hung
+    endpoint_batch_size: int = 8  # prompts per log-likelihood request
+    endpoint_concurrency: int = 1  # generation requests in flight at once
+    endpoint_max_requests_per_s: Optional[float] = None  # the server's rate limit, requests started per second (null: none)
+    # log-probs asked per position along the reference's replies and gold texts; with both sides served, KL is taken
+    # on the partition of tokens in both sides' top-k plus the rest: a lower bound of the exact KL
+    endpoint_divergence_topk: int = 20
+    serve_startup_s: float = 900.0  # how long reference.serve may take to answer /health
+
+
+@dataclass
+class JudgeConfig:
+    """``judge.*``: an optional pairwise judge, any OpenAI-compatible chat endpoint, that reads the reference's and
+    the candidate's replies to the same prompt blind, in both orders (harness.evaluation.judge). Off unless
+    judge.endpoint or judge.serve is set."""
+
+    endpoint: Optional[str] = None  # the judge server's base URL (no credentials in it)
+    serve: Optional[str] = None  # or a command the harness starts on a free loopback port, with {port} in it
+    model: Optional[str] = None  # the judge model's id; None: the server's only model
+    api_key_env: Optional[str] = None  # NAME of the environment variable holding the judge's API key, never the key
+    slices: list[str] = field(default_factory=lambda: ["prompts"])  # slices whose replies are judged
+    max_tokens: int = 16  # the judge's reply: a verdict word, not an essay
+    concurrency: int = 4  # judge requests in flight at once
+    max_requests_per_s: Optional[float] = None  # the judge server's rate limit (null: none)
+    timeout_s: float = 120.0  # one judge request
+    serve_startup_s: float = 900.0  # how long judge.serve may take to answer /health
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = MISSING
     quant: QuantConfig = MISSING
@@ -402,6 +448,8 @@ class RunConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     perf: PerfConfig = field(default_factory=PerfConfig)  # serving speed on an engine (not in any run's key)
     prompts: PromptsConfig = field(default_factory=PromptsConfig)  # the prompts slice's log (keyed through it)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)  # a served reference (staged comparison)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)  # an optional pairwise judge of the two sides' replies
     force: bool = False  # recompute even when a finished result for this config exists
 
 

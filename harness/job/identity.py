@@ -161,6 +161,10 @@ def keyed_quant(scheme: QuantConfig, data: dict) -> dict:
     return keyed
 
 
+# how a served side is reached and paced, not what answers: not part of a run key
+_REFERENCE_TRANSIENT = ("endpoint_api_key_env", "endpoint_timeout_s", "endpoint_batch_size",
+                        "endpoint_max_requests_per_s", "serve_startup_s")
+_JUDGE_TRANSIENT = ("api_key_env", "concurrency", "max_requests_per_s", "timeout_s", "serve_startup_s")
 THINKING_MODEL_FIELDS = ("thinking", "think_start", "think_end", "enable_thinking")
 
 
@@ -192,6 +196,15 @@ def run_key(cfg: RunConfig, model_identity: dict | None = None) -> str:
         data["candidate"].pop("endpoint_divergence_topk", None)
     if not (cfg.candidate.endpoint or cfg.candidate.serve) or cfg.candidate.endpoint_concurrency == 1:
         data["candidate"].pop("endpoint_concurrency", None)  # likewise; at 1 the keys stay as they were
+    data["candidate"].pop("endpoint_max_requests_per_s", None)  # a rate limit changes no reply
+    if cfg.reference.endpoint or cfg.reference.serve:  # a served reference: what answered is part of the result
+        data["reference"] = {k: v for k, v in data["reference"].items() if k not in _REFERENCE_TRANSIENT}
+    else:  # an in-process reference: keys stay as they were
+        data.pop("reference", None)
+    if cfg.judge.endpoint or cfg.judge.serve:  # the judge's verdicts are part of the result
+        data["judge"] = {k: v for k, v in data["judge"].items() if k not in _JUDGE_TRANSIENT}
+    else:
+        data.pop("judge", None)
     return stable_hash({"config": data, "model": model_identity}, 16)
 
 

@@ -95,6 +95,9 @@ class ServedEngine(Engine):
     """An engine behind a server, answering for the served candidate ``cfg`` (see the module)."""
 
     served = True
+    # the side this server answers for, as its messages and config keys name it: candidate, or reference for a served
+    # reference (reference.endpoint / reference.serve: its settings arrive as a CandidateConfig of the same fields)
+    role = "candidate"
 
     def __init__(self, cfg: CandidateConfig, results_dir: Path) -> None:
         self.cfg = cfg

@@ -496,7 +496,8 @@ class OpenAIEndpoint(ServedEngine):
         """Connect: the served model's ``/v1/models`` entry (its name, context length and checkpoint directory)."""
         spec = EndpointSpec(url=self.url, model=self.cfg.endpoint_model, api_key_env=self.cfg.endpoint_api_key_env,
                             timeout_s=self.cfg.endpoint_timeout_s, batch_size=self.cfg.endpoint_batch_size,
-                            concurrency=self.cfg.endpoint_concurrency)
+                            concurrency=self.cfg.endpoint_concurrency,
+                            max_requests_per_s=self.cfg.endpoint_max_requests_per_s, role=self.role)
         self.client = Client(spec, self.server)
         served = self.client.connect()
         limit, root = served.get("max_model_len"), served.get("root")

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -25,6 +27,22 @@ class EndpointError(UserError, RuntimeError):
 
     http_status: int | None = None  # the HTTP status of a refused request (None: no HTTP answer)
     detail: str = ""  # the server's own message for that refusal
+    retry_after: float | None = None  # seconds a 429 answer asked the client to wait (its Retry-After header)
+
+
+def _retry_after(value: str | None) -> float | None:
+    """A Retry-After header in seconds (delta-seconds or an HTTP date); None when absent or unreadable."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    from email.utils import parsedate_to_datetime
+    try:
+        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -38,6 +56,12 @@ class EndpointSpec:
     batch_size: int = 8  # prompts per log-likelihood request
     concurrency: int = 1  # generation requests in flight at once (the engine batches them)
     top_logprobs: int = 1  # k asked for per prompt token (1 decides greedy; vLLM allows up to 20)
+    max_requests_per_s: float | None = None  # requests started per second at most (the server's rate limit)
+    role: str = "candidate"  # which side the server answers for, as messages and config keys name it
+    retries_429: int = 6  # HTTP 429 (rate limited) answers waited out before the run ends
+
+
+RETRY_AFTER_MAX_S = 60.0  # the longest wait one 429 answer's Retry-After is granted
 
 
 def redact_url(url: str) -> str:
@@ -80,13 +104,28 @@ class Client:
         self.model = spec.model
         self.served: dict | None = None  # the served model's /v1/models entry, once connected
         self.requests = 0
+        self.rate_limited = 0  # 429 answers waited out
+        self._pace_lock = threading.Lock()
+        self._next_start = 0.0  # monotonic time before which no request starts (max_requests_per_s)
+
+    def _pace(self) -> None:
+        """Wait until the next request may start under ``max_requests_per_s`` (shared by every thread)."""
+        rate = self.spec.max_requests_per_s
+        if not rate:
+            return
+        with self._pace_lock:
+            now = time.monotonic()
+            start = max(now, self._next_start)
+            self._next_start = start + 1.0 / rate
+        if start > now:
+            time.sleep(start - now)
 
     def _headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
         if self.spec.api_key_env:
             key = os.environ.get(self.spec.api_key_env)
             if not key:
-                raise EndpointError(f"candidate.endpoint_api_key_env={self.spec.api_key_env}: that environment "
+                raise EndpointError(f"{self.spec.role}.endpoint_api_key_env={self.spec.api_key_env}: that environment "
                                     "variable is not set; export it with the server's API key")
             headers["Authorization"] = f"Bearer {key}"
         return headers
@@ -95,14 +134,29 @@ class Client:
         ended = self.server.exit_line() if self.server else None
         where = redact_url(self.base)
         tail = f"; last log lines: {self.server.tail()}" if self.server and not ended else ""
-        text = f"candidate endpoint {where}: {ended or what}{tail}. Items answered so far are kept: the same " \
+        text = f"{self.spec.role} endpoint {where}: {ended or what}{tail}. Items answered so far are kept: the same " \
                "command resumes from them"
         return EndpointError(scrub(text.replace("\n", " "), self.spec.api_key_env))
 
     def call(self, path: str, body: dict | None = None) -> dict:
+        """One request; a 429 (rate limited) is waited out (its Retry-After, else 1, 2, 4 ... s) up to
+        ``retries_429`` times, every other failure ends the run in one line."""
+        for attempt in range(self.spec.retries_429 + 1):
+            try:
+                return self._call_once(path, body)
+            except EndpointError as error:
+                if error.http_status != 429 or attempt == self.spec.retries_429:
+                    raise
+                self.rate_limited += 1
+                time.sleep(min(error.retry_after if error.retry_after is not None else 2.0 ** attempt,
+                               RETRY_AFTER_MAX_S))
+        raise AssertionError("unreachable")
+
+    def _call_once(self, path: str, body: dict | None) -> dict:
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(self.base + path, data=data, headers=self._headers(),
                                          method="GET" if body is None else "POST")
+        self._pace()
         self.requests += 1
         try:
             with urllib.request.urlopen(request, timeout=self.spec.timeout_s) as response:
@@ -113,14 +167,17 @@ class Client:
                 detail = json.loads(detail).get("error", {}).get("message", detail) if detail else detail
             except (ValueError, AttributeError):
                 pass
-            hint = " (a wrong or missing API key: set candidate.endpoint_api_key_env)" if exc.code in (401, 403) \
-                else ""
+            hint = f" (a wrong or missing API key: set {self.spec.role}.endpoint_api_key_env)" \
+                if exc.code in (401, 403) else \
+                f" (rate limited {self.spec.retries_429 + 1} times in a row: lower {self.spec.role}." \
+                "endpoint_max_requests_per_s or endpoint_concurrency)" if exc.code == 429 else ""
             error = self._fail(f"HTTP {exc.code} on {path}{hint}: {detail}")
             error.http_status, error.detail = exc.code, scrub(str(detail), self.spec.api_key_env)
+            error.retry_after = _retry_after(exc.headers.get("Retry-After") if exc.headers else None)
             raise error from None
         except (TimeoutError, socket.timeout):
             raise self._fail(f"no reply to {path} within {self.spec.timeout_s:.0f} s (a hung server; "
-                             "candidate.endpoint_timeout_s sets the limit)") from None
+                             f"{self.spec.role}.endpoint_timeout_s sets the limit)") from None
         except urllib.error.URLError as exc:
             reason = getattr(exc.reason, "strerror", None) or str(exc.reason)
             raise self._fail(f"cannot reach the server ({reason}); check the URL and that it is serving") from None
@@ -136,11 +193,11 @@ class Client:
         names = [str(entry.get("id")) for entry in listed]
         if self.model is None:
             if len(names) != 1:
-                raise EndpointError(f"candidate endpoint {redact_url(self.base)} serves {names or 'no models'}: "
-                                    "name one with candidate.endpoint_model=<id>")
+                raise EndpointError(f"{self.spec.role} endpoint {redact_url(self.base)} serves {names or 'no models'}: "
+                                    f"name one with {self.spec.role}.endpoint_model=<id>")
             self.model = names[0]
         elif self.model not in names:
-            raise EndpointError(f"candidate.endpoint_model={self.model!r} is not served at "
+            raise EndpointError(f"{self.spec.role}.endpoint_model={self.model!r} is not served at "
                                 f"{redact_url(self.base)}; it serves {names}")
         self.served = next(entry for entry in listed if str(entry.get("id")) == self.model)
         return self.served

@@ -51,10 +51,11 @@ NOT_MEASURED = ("served candidate: answered over HTTP; its weights stay in the s
 class ServedCandidate:
     """The job's served candidate: its engine (picked from the registry) and the engine's lm-eval model."""
 
-    def __init__(self, cfg: CandidateConfig, results_dir: Path):
+    def __init__(self, cfg: CandidateConfig, results_dir: Path, role: str = "candidate"):
         self.cfg = cfg
         self.engine_name, engine = served_engine(cfg)
         self.engine = engine(cfg, Path(results_dir))
+        self.engine.role = role
         self._lm: Any = None
         self._tokenizer: Any = None  # the reference's, whose token ids the divergence texts are
         self.params: dict[str, Any] = {"candidate.name": served_name(cfg), "candidate.method": "served",

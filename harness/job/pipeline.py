@@ -43,7 +43,7 @@ from harness.infra.cache import (
     check_cache_dir,
 )
 from harness.infra.runtime import apply_threads
-from harness.job import background_reference, disk, stage_meter, sweep
+from harness.job import background_reference, disk, served_reference, stage_meter, sweep
 from harness.job.identity import ReferenceSpec, reference_key, run_key, run_name, tokenizer_dir
 from harness.job.reference import (
     SliceReference,
@@ -144,6 +144,7 @@ class Job:
     key: str
     results_dir: Path
     served: served.ServedCandidate | None = None  # candidate.endpoint / candidate.serve
+    reference_server: served_reference.ServedReference | None = None  # reference.endpoint / reference.serve
 
     @property
     def checkpoint(self) -> Path:
@@ -193,10 +194,13 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
         shutil.rmtree(job.checkpoint, ignore_errors=True)
 
     with job.timings.stage("reference"), progress.side("reference"):
-        background = background_reference.start(job.reference_spec, job.cfg.model, job.loaded, job.checked.slices,
-                                                job.cache, job.runtime["threads"])
-        ready = {s.name: r for s in job.checked.slices
-                 if (r := reference_unless_busy(job.loaded, s, job.reference_spec, job.cache)) is not None}
+        if served_reference.is_served(job.cfg):  # the staged comparison: the deployed reference answers
+            background, ready = None, served_references(job)
+        else:
+            background = background_reference.start(job.reference_spec, job.cfg.model, job.loaded,
+                                                    job.checked.slices, job.cache, job.runtime["threads"])
+            ready = {s.name: r for s in job.checked.slices
+                     if (r := reference_unless_busy(job.loaded, s, job.reference_spec, job.cache)) is not None}
     candidate_stage = served_candidate if job.cfg.candidate.endpoint or job.cfg.candidate.serve else \
         external_candidate if job.cfg.candidate.path else quantized_candidate
     with job.timings.stage("quantize"):
@@ -206,6 +210,9 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
         with job.timings.stage("evaluate"):
             evaluated = evaluate_stage(judged.loaded, job, ready)
         references, deferred = gather_references(job, {**ready, **evaluated.waited}, background)
+        if job.reference_server is not None:  # both servers asked the same of every item, or no pairing
+            served_reference.check_same_requests(pd.concat([r.records for r in references.values()]),
+                                                 evaluated.records)
         with job.timings.stage("divergence"):
             # a served candidate: the server's top-k log-probs of the same texts (KL as a lower bound)
             tokens = job.served.divergence({s.name: references[s.name].texts for s in job.checked.slices}) \
@@ -214,6 +221,11 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
                                          evaluated.captured.pop(s.name, None),
                                          background_reference.forward_threads(background))
                            for s in job.checked.slices], ignore_index=True)
+        if job.reference_server is not None:  # what answered for the reference, and which bound its KL is
+            judged.params.update(job.reference_server.params)
+            if "candidate.divergence_topk" in judged.params:
+                judged.params["candidate.divergence"] = served_reference.BOTH_SERVED_LINE.format(
+                    k=min(job.cfg.reference.endpoint_divergence_topk, job.cfg.candidate.endpoint_divergence_topk))
     finally:
         if job.served is not None:  # a server the harness started stops here (after divergence), also on a failure
             job.served.stop()
@@ -230,6 +242,17 @@ def run(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     log.info("results: %s (torch threads: %d, from %s)", job.results_dir, job.runtime["threads"],
              job.runtime["threads_from"])
     return result
+
+
+def served_references(job: Job) -> dict[str, SliceReference]:
+    """Every slice's reference from the served reference (harness.job.served_reference), its server stopped before
+    the candidate's starts (one server at a time on the machine), also on a failure."""
+    job.reference_server = served_reference.ServedReference(job.cfg, job.results_dir).start()
+    try:
+        return job.reference_server.references(job.loaded, job.checked.slices, job.reference_spec,
+                                               job.checkpoint / "_reference")
+    finally:
+        job.reference_server.stop()
 
 
 def compare_slice(model: torch.nn.Module, texts: list[divergence.ReferenceText], slice_name: str, captured: Any,
@@ -382,6 +405,7 @@ def preflight(cfg: RunConfig) -> Preflight:
     slices = resolve(cfg.slices)
     check_hub_for_registry(slices)
     gate.check_outcome_limits(cfg.gate)  # gate.outcomes: known outcomes, limits in [0, 1)
+    served_reference.check_config(cfg)  # reference.endpoint / reference.serve: a served candidate beside it
     for slice_ in slices:  # a prompt log is read and checked row by row now, not once the model is loaded
         if prompt_log.TASK in slice_.config.tasks:
             slice_.items(**slice_.metadata(cfg.eval.seed))

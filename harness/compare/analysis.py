@@ -16,6 +16,7 @@ from typing import Sequence
 import pandas as pd
 
 from harness import stats
+from harness.compare import budget, speed, traces
 from harness.compare.options import CompareOptions
 from harness.compare.sources import RunData
 from harness.config import CompareConfig
@@ -43,6 +44,11 @@ class ComparisonReport:
     tokens: pd.DataFrame
     survival: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)  # label, position, survival
     parity: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)  # harness.compare.parity_table.parity_table
+    speed: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)  # speed.speed_table: speed-up, quality, front
+    measured: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)  # speed.measured_table: ledger vs engine
+    traces: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)  # traces.trace_rows: thinking trace lengths
+    trace_stats: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)  # traces.trace_summary per run, side
+    budget: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)  # budget.budget_table: accuracy vs budget
 
     @property
     def labels(self) -> list[str]:
@@ -90,6 +96,7 @@ def analyse(runs: Sequence[RunData], options: CompareOptions) -> ComparisonRepor
     options.check()
     runs = list(runs)
     _assign_labels(runs)
+    speed.attach_perf(runs, options.perf)
     settings = CompareConfig(n_resamples=options.n_resamples, ci_level=options.ci_level, seed=options.seed,
                              margin=options.margin, correction="none")
     item_parts, token_parts, kl_parts, gen_parts, survival_parts, run_rows = [], [], [], [], [], []
@@ -112,13 +119,21 @@ def analyse(runs: Sequence[RunData], options: CompareOptions) -> ComparisonRepor
     item_stats["significant"] = item_stats["delta_p_adj"] < options.alpha
     front = ["label", "model", "scheme", "level", "slice", "sub_slice"]
     item_stats = item_stats[front + [c for c in item_stats.columns if c not in front]]
-    return ComparisonReport(
+    report = ComparisonReport(
         name=options.report_name(), options=options, runs=pd.DataFrame(run_rows), item_stats=item_stats,
         token_stats=_concat(token_parts, ["label", "slice", "bucket"]),
         generation=_concat(gen_parts, ["label", "slice", "identical_rate", "first_diff_mean"]),
         tokens=_concat(kl_parts, ["label", "slice", "position", "kl"]),
         survival=_concat(survival_parts, ["label", "position", "survival"]),
+        traces=traces.trace_rows(runs),
+        budget=budget.budget_table(runs, item_stats, margin=options.margin, ci_level=options.ci_level),
     )
+    if not report.traces.empty:
+        report.trace_stats = traces.trace_summary(report.traces, options.ci_level)
+    if any(run.perf.get("levels") for run in runs):
+        report.speed = speed.speed_table(runs, report.headline())
+        report.measured = speed.measured_table(runs, options.perf_device)
+    return report
 
 
 def _concat(parts: list[pd.DataFrame], columns: list[str]) -> pd.DataFrame:

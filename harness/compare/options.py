@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from harness.config import CompareConfig, EvalConfig
 
@@ -41,6 +42,11 @@ class CompareOptions:
     name: str | None = _opt(None, "None: the sweep id, else the experiment name")
     out: str | None = _opt(None, "None: results/compare/<name>")
     log: bool = _opt(True, "log the comparison to MLflow (only when runs came from MLflow)")
+    perf: list[str] = _opt(list, "perf.json files (or folders holding one) of python -m harness.parity speed=true, "
+                                 "each matched to the compared run it measured: adds speed-up against quality (the "
+                                 "Pareto front) and the ledger beside the engine; a run's own perf.json is read anyway")
+    perf_device: str | None = _opt(None, "the device the speed was measured on, for the ledger's decode floor: a GPU "
+                                         "name (H100) or NAME:memory_GB:bandwidth_TBps; None: the one perf.json names")
     parity: bool = _opt(False, "the runs, in the order given, are a scheme's simulation, its export served by an engine "
                                "and (optional) the reference served by that engine and the scheme's own floor (its "
                                "simulation with inputs moved in the last bit): add the simulation-against-served "
@@ -56,3 +62,15 @@ class CompareOptions:
             raise ValueError(f"correction={self.correction!r} is unknown; use holm, bh or none")
         if self.margin is not None and not 0 < self.margin < 1:
             raise ValueError(f"margin={self.margin!r} must lie in (0, 1) (0.01 = 1 point) or be null")
+        for path in self.perf:
+            if not (Path(path).is_file() or (Path(path) / "perf.json").is_file()):
+                raise ValueError(f"perf={path}: no perf.json there; give the perf.json written by python -m "
+                                 "harness.parity speed=true, or the folder holding it")
+        if self.perf_device and ":" in self.perf_device:
+            parts = self.perf_device.split(":")
+            try:
+                if len(parts) != 3 or float(parts[1]) <= 0 or float(parts[2]) <= 0:
+                    raise ValueError
+            except ValueError:
+                raise ValueError(f"perf_device={self.perf_device!r}: give NAME:memory_GB:bandwidth_TBps with positive "
+                                 "numbers (e.g. L40S:48:0.864) or a GPU name (H100)") from None

@@ -31,6 +31,11 @@ def write_report(report: ComparisonReport, out_dir: str | Path | None = None) ->
         path = out / f"{name}.parquet"
         frame.to_parquet(path, index=False)
         written[name] = path
+    for name, frame in (("speed", report.speed), ("measured", report.measured), ("trace_stats", report.trace_stats),
+                        ("budget", report.budget)):
+        if not frame.empty:  # written only where the compared runs have them
+            written[name] = out / f"{name}.parquet"
+            frame.to_parquet(written[name], index=False)
     if not report.parity.empty:
         written["parity"] = out / "parity.parquet"
         report.parity.to_parquet(written["parity"], index=False)
@@ -61,6 +66,10 @@ def log_comparison(report: ComparisonReport, out_dir: str | Path, *, uri: str, e
     metrics = {"n_runs": float(len(report.runs)), "n_tests": float(report.n_tests()),
                "n_significant": float(stats_["significant"].sum()),
                "n_worse": float(stats_["verdict"].str.startswith("worse").sum())}
+    if not report.speed.empty:
+        schemes = report.speed[~report.speed["is_reference"]]
+        metrics["n_pareto"] = float(schemes["pareto"].sum())
+        metrics["n_slower"] = float(schemes["speed"].str.startswith("SLOWER").sum())
     mlflow.set_tracking_uri(uri)
     with mlflow.start_run(experiment_id=experiment_id, run_name=f"compare/{report.name}", tags=tags) as run:
         mlflow.log_params({"margin": report.options.margin, "correction": report.options.correction,

@@ -24,7 +24,11 @@ __all__ = ["COMPARISON_KIND", "KIND_TAG", "RunData", "load_mlflow_run", "load_re
 KIND_TAG = "harness.kind"
 COMPARISON_KIND = "comparison"
 REQUIRED_ARTIFACTS = ("summary.json", "items.parquet")
-OPTIONAL_ARTIFACTS = ("config.json", "tokens.parquet", "generation.parquet", "long_generation_survival.parquet")
+OPTIONAL_ARTIFACTS = ("config.json", "tokens.parquet", "generation.parquet", "long_generation_survival.parquet",
+                      "thinking.parquet", "perf.json")
+# what a comparison reads of a thinking run's traces (harness.evaluation.thinking.trace_frame): lengths and states
+THINKING_COLUMNS = ("item_id", "slice", "cluster", "trace_tokens_ref", "trace_tokens_quant", "cap_hit_ref",
+                    "cap_hit_quant", "unclosed_ref", "unclosed_quant", "state_ref", "state_quant")
 
 
 @dataclass
@@ -38,6 +42,8 @@ class RunData:
     generation: pd.DataFrame
     config: dict[str, Any] = field(default_factory=dict)
     survival: pd.DataFrame = field(default_factory=pd.DataFrame)  # long generation: position, survival
+    thinking: pd.DataFrame = field(default_factory=pd.DataFrame)  # a thinking model's traces (THINKING_COLUMNS)
+    perf: dict[str, Any] = field(default_factory=dict)  # serving speed measured on an engine (perf.json)
     source: str = ""
     label: str = ""  # filled in by ``analyse`` (unique across the compared runs)
 
@@ -59,6 +65,15 @@ def _read_table(path: Path) -> pd.DataFrame:
     return pd.read_parquet(path) if path.exists() else pd.DataFrame()
 
 
+def _read_thinking(path: Path) -> pd.DataFrame:
+    if not path.exists():
+        return pd.DataFrame()
+    import pyarrow.parquet as pq
+
+    present = set(pq.read_schema(path).names)
+    return pd.read_parquet(path, columns=[c for c in THINKING_COLUMNS if c in present])
+
+
 def load_results_dir(directory: str | Path) -> RunData:
     """A run from its results directory (``results/<run>/``) as written by ``harness.job.pipeline``."""
     directory = Path(directory)
@@ -76,6 +91,8 @@ def load_results_dir(directory: str | Path) -> RunData:
         config=json.loads(config_path.read_text()) if config_path.exists() else {},
         source=str(directory),
         survival=_read_table(directory / "long_generation_survival.parquet"),
+        thinking=_read_thinking(directory / "thinking.parquet"),
+        perf=json.loads((directory / "perf.json").read_text()) if (directory / "perf.json").exists() else {},
     )
 
 

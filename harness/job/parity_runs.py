@@ -204,6 +204,7 @@ def run_perf(overrides: list[str], command: str, out: Path, simulation: Path, cf
     prompts = perf.prompts_from_run(simulation, cfg.perf.n_prompts)
     result = perf.measure_pair(command, export.resolve(), serving_directory(cfg.model, cfg.paths.cache_dir),
                                prompts, cfg.perf, out)
+    perf.describe_run(result, simulation)  # the run it measured, and the ledger's prediction beside the measurement
     line = perf.headline(result, f"{cfg.quant.name} (served)")
     result["headline"] = line
     result["metrics"] = perf.flat_metrics(result)

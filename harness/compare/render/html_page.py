@@ -14,14 +14,22 @@ from typing import Callable
 import pandas as pd
 
 from harness.compare.analysis import ComparisonReport
+from harness.compare.render.markdown import DECISION_PLOTS
 from harness.compare.render.tables import (
+    MEASURED_NOTE,
+    budget_findings,
+    budget_text_table,
     caption,
     detail_table,
     matrix_table,
+    measured_text_table,
     method_note,
     position_table,
     runs_table,
+    speed_findings,
+    speed_text_table,
     sub_slice_table,
+    trace_text_table,
 )
 
 __all__ = ["html"]
@@ -72,6 +80,36 @@ p.note{font-size:13px;max-width:70em}div.scroll{overflow-x:auto;max-width:100%}
 """
 
 
+def _findings(lines: list[str]) -> str:
+    items = "".join(f"<li>{html_lib.escape(line)}</li>" for line in lines)
+    return f'<ul class="findings">{items}</ul>' if items else ""
+
+
+def _decision_sections(report: ComparisonReport, figures: dict[str, Path]) -> list[str]:
+    """The same sections as :func:`harness.compare.render.markdown.decision_sections`, figures embedded."""
+    def image(name: str) -> list[str]:
+        return [_image(figures[name], name)] if name in figures else []
+
+    speed_cells = lambda c, t: ("worse" if t.startswith("SLOWER") else "better" if t.startswith("faster") else "") \
+        if c == "speed" else ("ok" if c == "Pareto" and t.startswith("★") else "")  # noqa: E731
+    parts: list[str] = []
+    if not report.speed.empty:
+        parts += ["<h2>Quality against measured speed</h2>", _findings(speed_findings(report)),
+                  _html_table(speed_text_table(report), css="speed", cell_class=speed_cells), *image("quality_vs_speed")]
+    if not report.measured.empty:
+        parts += ["<h2>Predicted against measured (memory and decode speed)</h2>",
+                  _html_table(measured_text_table(report), css="measured"),
+                  f'<p class="note">{html_lib.escape(MEASURED_NOTE)}</p>']
+    if not report.trace_stats.empty:
+        parts += ["<h2>Thinking: trace lengths</h2>", _html_table(trace_text_table(report), css="traces"),
+                  *image("trace_lengths")]
+    if not report.budget.empty:
+        parts += ["<h2>Thinking budget sweep</h2>", _findings(budget_findings(report)),
+                  _html_table(budget_text_table(report), css="budget",
+                              cell_class=lambda c, t: _verdict_class(t) if c == "verdict" else ""), *image("budget")]
+    return parts
+
+
 def html(report: ComparisonReport, figures: dict[str, Path]) -> str:
     """A single self-contained HTML page: tables, then every figure embedded as a data URI."""
     def verdict_cells(column: str, text: str) -> str:
@@ -90,7 +128,8 @@ def html(report: ComparisonReport, figures: dict[str, Path]) -> str:
     positions = position_table(report)
     if not positions.empty:
         sections += ["<h2>KL by token position</h2>", _html_table(positions, css="positions")]
-    sections += ["<h2>Plots</h2>", *[_image(path, name) for name, path in figures.items()],
+    sections += _decision_sections(report, figures)
+    sections += ["<h2>Plots</h2>", *[_image(path, name) for name, path in figures.items() if name not in DECISION_PLOTS],
                  "<h2>Runs</h2>", _html_table(runs_table(report), css="runs")]
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"

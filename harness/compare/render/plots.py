@@ -17,8 +17,8 @@ from matplotlib.figure import Figure
 
 from harness.compare.analysis import ComparisonReport
 
-__all__ = ["accuracy_vs_bits", "flip_bars", "forest", "kl_by_position", "kl_cdf", "long_generation_survival",
-           "render_all"]
+__all__ = ["accuracy_vs_bits", "budget_curves", "flip_bars", "forest", "kl_by_position", "kl_cdf",
+           "long_generation_survival", "quality_vs_speed", "render_all", "trace_lengths"]
 
 KL_FLOOR = 1e-6  # KL of identical distributions is 0; a log axis needs a floor
 MAX_CDF_POINTS = 2000  # per curve; ranks are subsampled evenly, the curve's shape is kept
@@ -222,6 +222,140 @@ def long_generation_survival(survival: pd.DataFrame, labels: list[str]) -> Figur
     return fig
 
 
+def _errors(point: pd.Series, low: pd.Series, high: pd.Series) -> np.ndarray:
+    """Asymmetric error bar lengths (a missing end draws none)."""
+    return np.vstack([np.nan_to_num((point - low).to_numpy(float).clip(min=0)),
+                      np.nan_to_num((high - point).to_numpy(float).clip(min=0))])
+
+
+def quality_vs_speed(speed: pd.DataFrame, *, margin: float | None) -> Figure | None:
+    """Δaccuracy (or mean KL) against measured speed-up, one panel per concurrency level; Pareto-optimal points
+    filled, named and joined, the others hollow; the reference's own weights at (1, 0)."""
+    if speed.empty:
+        return None
+    levels = sorted(speed["concurrency"].unique())
+    fig, axes = _subplots(len(levels), width=6.0, height=4.4)
+    use_delta = speed["quality"].iloc[0] == "delta"
+    for ax, level in zip(axes, levels):
+        part = speed[speed["concurrency"] == level]
+        schemes = part[~part["is_reference"]]
+        if use_delta:
+            y, low, high = (100 * schemes[c] for c in ("delta", "delta_ci_low", "delta_ci_high"))
+        else:
+            y = low = high = schemes["kl_mean"]
+        for (_, row), yy, err_x, err_y in zip(schemes.iterrows(), y, _errors(schemes["speedup"],
+                                              schemes["speedup_ci_low"], schemes["speedup_ci_high"]).T,
+                                              _errors(y, low, high).T):
+            colour = "tab:blue" if row["pareto"] else "tab:gray"
+            ax.errorbar(row["speedup"], yy, xerr=[[err_x[0]], [err_x[1]]], yerr=[[err_y[0]], [err_y[1]]], fmt="o",
+                        color=colour, markerfacecolor=colour if row["pareto"] else "white", capsize=3, markersize=6)
+            name = row["label"] + (" ★" if row["pareto"] else "") + (" (slower)" if row["speed"].startswith("SLOWER")
+                                                                      else "")
+            ax.annotate(name, (row["speedup"], yy), fontsize=7, xytext=(5, 4), textcoords="offset points",
+                        fontweight="bold" if row["pareto"] else "normal")
+        reference = part[part["is_reference"]].iloc[0]
+        ax.plot([1.0], [0.0], marker="*", color="black", markersize=11, linestyle="none",
+                label="reference (own weights)" + (" ★" if reference["pareto"] else ""))
+        front = part[part["pareto"]].sort_values("speedup")
+        front_y = [0.0 if r["is_reference"] else (100 * r["delta"] if use_delta else r["kl_mean"])
+                   for _, r in front.iterrows()]
+        ax.plot(front["speedup"], front_y, color="tab:blue", linewidth=1, alpha=0.6, label="Pareto front (★)")
+        ax.axvline(1.0, color="black", linewidth=0.6, linestyle=":")
+        if use_delta:
+            ax.axhline(0.0, color="black", linewidth=0.6)
+            if margin:
+                ax.axhspan(-100 * margin, 0, color="tab:green", alpha=0.10, label=f"within −margin ({100 * margin:g} pt)")
+            ax.set_ylabel("Δ accuracy, points (candidate − reference)", fontsize=8)
+        else:
+            ax.set_ylabel("mean KL(ref‖quant), nats (lower is better)", fontsize=8)
+            ax.invert_yaxis()
+        ax.set_xscale("log")
+        ax.set_xlabel("measured speed-up, output tokens/s ÷ reference's (log; < 1: slower)", fontsize=8)
+        ax.set_title(f"Quality vs measured speed · {level} in flight", fontsize=10)
+        ax.margins(x=0.12)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    return fig
+
+
+def trace_lengths(traces: pd.DataFrame, trace_stats: pd.DataFrame) -> Figure | None:
+    """Per thinking run: the ECDF of trace tokens per item, reference and candidate overlaid; the legend carries
+    each side's cap-hit and unclosed rates."""
+    if traces.empty:
+        return None
+    labels = list(dict.fromkeys(traces["label"]))
+    stats_ = trace_stats.set_index(["label", "side"])
+    fig, axes = _subplots(len(labels), width=5.5, height=3.8)
+    styles = {"reference": ("black", "-"), "candidate": ("tab:red", "--")}
+    for ax, label in zip(axes, labels):
+        for side, (colour, line) in styles.items():
+            values = np.sort(traces.loc[(traces["label"] == label) & (traces["side"] == side),
+                                        "trace_tokens"].to_numpy(float))
+            if values.size == 0:
+                continue
+            row = stats_.loc[(label, side)]
+            legend = (f"{side}: median {row['tokens_median']:.0f}, cap hit {100 * row['cap_hit']:.0f}%, "
+                      f"unclosed {100 * row['unclosed']:.0f}% (n={values.size})")
+            ax.step(np.concatenate([[0.0], values]), np.arange(values.size + 1) / values.size, where="post",
+                    color=colour, linestyle=line, label=legend)
+        ax.set_ylim(0, 1.02)
+        ax.set_xlabel("trace tokens per item", fontsize=8)
+        ax.set_ylabel("share of items with at most x", fontsize=8)
+        ax.set_title(f"Thinking trace length · {label}", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+def budget_curves(budget: pd.DataFrame, *, margin: float | None) -> Figure | None:
+    """Per budget sweep: both sides' accuracy against the budget (left) and Δ with its interval against the margin
+    (right); the smallest budget where the candidate matches (fixed-sequence) marked on both."""
+    if budget.empty:
+        return None
+    groups = list(dict.fromkeys(budget["group"]))
+    fig = Figure(figsize=(11, 3.8 * len(groups)))
+    for index, group in enumerate(groups):
+        part = budget[budget["group"] == group].sort_values("budget")
+        left, right = fig.add_subplot(len(groups), 2, 2 * index + 1), fig.add_subplot(len(groups), 2, 2 * index + 2)
+        x = part["budget"].to_numpy(float)
+        for side, colour, shift in (("ref", "black", 0.97), ("quant", "tab:red", 1.03)):
+            name = "reference" if side == "ref" else "candidate"
+            acc = 100 * part[f"acc_{side}"]
+            left.errorbar(x * shift, acc, yerr=_errors(acc, 100 * part[f"acc_{side}_ci_low"],
+                                                       100 * part[f"acc_{side}_ci_high"]),
+                          marker="o", capsize=3, color=colour, label=name)
+        delta = 100 * part["delta"]
+        passed = part["non_inferior"].to_numpy(bool)
+        right.errorbar(x, delta, yerr=_errors(delta, 100 * part["delta_ci_low"], 100 * part["delta_ci_high"]),
+                       fmt="none", ecolor="tab:blue", capsize=3)
+        right.plot(x[passed], delta[passed], "o", color="tab:blue", label="non-inferior (CI above −margin)")
+        right.plot(x[~passed], delta[~passed], "o", color="tab:blue", markerfacecolor="white", label="not shown")
+        right.axhline(0, color="black", linewidth=0.6)
+        if margin:
+            right.axhline(-100 * margin, color="tab:green", linestyle="--", label=f"−margin ({100 * margin:g} pt)")
+        matched = part["matched_from"].iloc[0]
+        for ax in (left, right):
+            if np.isfinite(matched):
+                ax.axvline(matched, color="tab:green", linewidth=1, alpha=0.7,
+                           label=f"matches from {matched:g}" if ax is left else None)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(x, [f"{v:g}" for v in x], fontsize=7)
+            ax.minorticks_off()
+            ax.set_xlabel(part["budget_key"].iloc[0] + " (tokens)", fontsize=8)
+            ax.grid(alpha=0.3)
+        left.set_ylabel("accuracy %", fontsize=8)
+        right.set_ylabel("Δ accuracy, points", fontsize=8)
+        title = "no budget tried" if not np.isfinite(matched) else f"from {matched:g}"
+        left.set_title(f"{group}: accuracy vs budget", fontsize=10)
+        right.set_title(f"{group}: Δ vs budget · candidate matches {title}", fontsize=10)
+        left.legend(fontsize=7)
+        right.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
 def render_all(report: ComparisonReport, out_dir: Path) -> dict[str, Path]:
     """Draw every applicable plot into ``out_dir``; returns plot name -> PNG path (in display order)."""
     labels = report.labels
@@ -241,6 +375,9 @@ def render_all(report: ComparisonReport, out_dir: Path) -> dict[str, Path]:
     figures["kl_by_position"] = kl_by_position(report.token_stats, labels)
     figures["accuracy_vs_bits"] = accuracy_vs_bits(headline, report.runs)
     figures["long_generation_survival"] = long_generation_survival(report.survival, labels)
+    figures["quality_vs_speed"] = quality_vs_speed(report.speed, margin=report.options.margin)
+    figures["trace_lengths"] = trace_lengths(report.traces, report.trace_stats)
+    figures["budget"] = budget_curves(report.budget, margin=report.options.margin)
     out: dict[str, Path] = {}
     for name, fig in figures.items():
         if fig is None:

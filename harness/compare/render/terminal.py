@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from harness.compare.analysis import ComparisonReport
-from harness.compare.render.tables import detail_table
+from harness.compare.render.tables import budget_findings, detail_table, speed_findings
 
 __all__ = ["TERMINAL_COLUMNS", "terminal_table"]
 
@@ -11,7 +11,9 @@ TERMINAL_COLUMNS = ["slice", "scheme", "n", "clusters", "acc ref %", "acc quant 
 
 
 def terminal_table(report: ComparisonReport) -> str:
-    """A header line (name, runs, tests) and the headline columns of :func:`detail_table`."""
+    """A header line (name, runs, tests), the headline columns of :func:`detail_table`, then the Pareto front,
+    any scheme slower than its reference and the budget sweeps' findings in one line each."""
     table = detail_table(report)
+    findings = [*speed_findings(report), *budget_findings(report)]
     return (f"\n{report.name}: {len(report.runs)} runs, {report.n_tests()} tests\n"
-            + table[TERMINAL_COLUMNS].to_string(index=False))
+            + table[TERMINAL_COLUMNS].to_string(index=False) + "".join(f"\n{line}" for line in findings))

@@ -381,13 +381,81 @@ def outcome_criteria(run: RunResults, cfg: GateConfig, slices: list[str]) -> lis
     return out
 
 
+# gate.thinking keys: the metric each reads (think_tokens_ratio - 1; think_<key>_delta), an increase is worse
+THINKING_KEYS = ("trace_ratio", "cap_hit", "unclosed", "loop")
+
+
+def check_thinking_limits(cfg: GateConfig, thinking_on: bool | None = None) -> None:
+    """gate.thinking names known keys with limits in range, and only for a thinking model (``thinking_on`` False:
+    model.thinking=none), else one line saying which and what to use."""
+    limits = dict(cfg.thinking)
+    if limits and thinking_on is False:
+        raise GateInputError(f"gate.thinking={limits} gates a reasoning model's trace, and model.thinking=none: set "
+                             "model.thinking=tags (or harmony) for a thinking model, or drop gate.thinking")
+    for key, limit in limits.items():
+        if key not in THINKING_KEYS:
+            raise GateInputError(f"gate.thinking.{key}: unknown; use one of {', '.join(THINKING_KEYS)}")
+        value = float(limit)
+        if key == "trace_ratio" and not (math.isfinite(value) and value >= 0):
+            raise GateInputError(f"gate.thinking.trace_ratio={limit}: give the largest increase of trace tokens "
+                                 "allowed as a fraction >= 0, e.g. 0.2 for 20 % longer")
+        if key != "trace_ratio" and not 0 <= value < 1:
+            raise GateInputError(f"gate.thinking.{key}={limit}: give the largest increase allowed as a fraction in "
+                                 "[0, 1), e.g. 0.02 for 2 points")
+
+
+def thinking_criteria(run: RunResults, cfg: GateConfig, slices: list[str]) -> list[Criterion]:
+    """A thinking model's trace against ``gate.thinking``: the increase of trace tokens (candidate / reference - 1,
+    its paired cluster-bootstrap interval) or of the cap-hit, unclosed or loop rates (the paired clustered score
+    interval), each read off the interval the report shows (compare.ci_level, two-sided): pass when the whole
+    interval is within the limit, fail when the whole interval is beyond it, inconclusive otherwise or with fewer
+    than gate.min_items generation items. A slice without generation items has no trace and is not judged."""
+    check_thinking_limits(cfg)
+    limits = dict(cfg.thinking)
+    if not limits:
+        return []
+    metrics = run.summary.get("metrics", {})
+    if not any(key.endswith("/think_n") for key in metrics):
+        raise GateInputError(f"gate.thinking={limits}, and {run.directory} has no trace metrics (not a thinking "
+                             "run: model.thinking=none); drop gate.thinking for it")
+    out = []
+    for name in slices:
+        n = metrics.get(f"{name}/think_n")
+        if n is None:
+            continue
+        for key, limit in limits.items():
+            limit = float(limit)
+            if key == "trace_ratio":
+                stem, shift, unit = f"{name}/think_tokens_ratio", 1.0, "%"
+            else:
+                stem, shift, unit = f"{name}/think_{key}_delta", 0.0, "pt"
+            value, low, high = (metrics.get(stem), metrics.get(f"{stem}_ci_low"), metrics.get(f"{stem}_ci_high"))
+            criterion = f"thinking_{key}"
+            if value is None or low is None or high is None or n < cfg.min_items:
+                out.append(Criterion(name, criterion, INCONCLUSIVE,
+                                     f"inconclusive: {key} has {int(n)} items to judge (gate.min_items="
+                                     f"{cfg.min_items}) or no interval", [f"{key}: too few items or no interval"],
+                                     {"limit": limit, "n": n}))
+                continue
+            change, lo, hi = value - shift, low - shift, high - shift
+            outcome = PASS if hi <= limit else FAIL if lo > limit else INCONCLUSIVE
+            shown = f"{100 * change:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}] {unit}"
+            what = "trace tokens" if key == "trace_ratio" else f"{key} rate"
+            out.append(Criterion(name, criterion, outcome,
+                                 f"{outcome}: {what} increase {shown}, allowed at most {100 * limit:.1f} {unit}",
+                                 [] if outcome == PASS else [f"{what} increase {shown} vs {100 * limit:.1f} {unit}"],
+                                 {"change": change, "ci_low": lo, "ci_high": hi, "limit": limit, "n": n}))
+    return out
+
+
 def decide_run(run: RunResults, cfg: GateConfig) -> RunDecision:
     accuracy = accuracy_criteria(run, cfg)
     slices = [c.slice for c in accuracy]
     tokens = token_criteria(run, cfg, slices)
     outcomes = outcome_criteria(run, cfg, slices)
+    traces = thinking_criteria(run, cfg, slices)
     order = {s: i for i, s in enumerate(slices)}
-    criteria = sorted(accuracy + tokens + outcomes, key=lambda c: order[c.slice])
+    criteria = sorted(accuracy + tokens + outcomes + traces, key=lambda c: order[c.slice])
     notes = [f"{run.summary.get('scheme', '')}: {line}" for line in simulation_lines(run.summary)]
     return RunDecision(str(run.summary.get("run_name", run.directory.name)), str(run.directory),
                        str(run.summary.get("model", "")), str(run.summary.get("scheme", "")), criteria, notes)

@@ -438,3 +438,121 @@ METRIC_DOCS: dict[str, tuple[str, str]] = {
     "metrics/<slice>/think_first_departure_mean": ("tokens", "mean token index where the candidate's trace first "
                                                    "departs from the reference's (items whose traces differ)"),
 }
+
+
+# --------------------------------------------------------------------------- KL along the trace and the answer
+TRACE, ANSWER = "trace", "answer"  # the parts of a served reply whose KL is reported apart (kl_trace_mean, ...)
+
+
+def answer_token(reply_ids: list[int], decode: Callable[[list[int]], str], spec: ThinkingSpec,
+                 prompt: str = "") -> int:
+    """How many of a reply's tokens are trace: the answer starts at this index (0: no trace, the whole reply is
+    answer; ``len(reply_ids)``: a trace never closed, no answer). The end tag belongs to the trace; a token that
+    holds both the tag's end and the answer's first characters is counted as trace."""
+    parts = split_reply(decode(reply_ids), spec, prompt)
+    if parts.state == NONE:
+        return 0
+    if parts.state == UNCLOSED:
+        return len(reply_ids)
+    low, high = 1, len(reply_ids)  # the fewest tokens whose text reaches the answer's first character
+    while low < high:
+        middle = (low + high) // 2
+        if len(decode(reply_ids[:middle])) >= parts.answer_at:
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
+def reply_parts(tokens: pd.DataFrame, texts: dict[str, list[Any]], spec: ThinkingSpec,
+                decode: Callable[[list[int]], str]) -> pd.DataFrame:
+    """The served replies' token rows (``kind`` reply) labelled ``part`` trace or answer.
+
+    ``tokens``: the divergence stage's rows (``slice``, ``text``, ``position``, ``kind``); ``texts``: each
+    slice's reference texts in the order they were scored (``SliceReference.texts``: ``text`` indexes them). Row
+    ``position`` p predicts token p of its text; a reply starts at the text's ``prompt_tokens``."""
+    if tokens.empty or "kind" not in tokens or not spec.on:
+        return tokens.iloc[0:0].assign(part=pd.Series(dtype=str))
+    replies = tokens[tokens["kind"] == "reply"]
+    starts: dict[tuple[str, int], int] = {}
+    for (name, index) in replies[["slice", "text"]].drop_duplicates().itertuples(index=False):
+        text = texts[name][int(index)]
+        pair = text.prompt_and_reply()
+        if pair is None:
+            continue
+        prompt_ids, reply_ids = pair
+        starts[(name, int(index))] = len(prompt_ids) + answer_token(reply_ids, decode, spec, decode(prompt_ids))
+    if not starts:
+        return replies.iloc[0:0].assign(part=pd.Series(dtype=str))
+    first = pd.Series([starts.get((s, int(t)), -1) for s, t in zip(replies["slice"], replies["text"])],
+                      index=replies.index)
+    known = first >= 0
+    return replies[known].assign(part=np.where(replies["position"][known] < first[known], TRACE, ANSWER))
+
+
+def kl_split_metrics(tokens: pd.DataFrame, texts: dict[str, list[Any]], spec: ThinkingSpec,
+                     decode: Callable[[list[int]], str]) -> dict[str, float]:
+    """``<slice>/kl_trace_mean``, ``kl_answer_mean``, ``top1_agree_trace``, ... (and ``overall/``): the divergence
+    along the reference's own replies, apart for the trace's positions and the answer's (:func:`reply_parts`);
+    the names of :data:`harness.results.summary.SIDE_COLUMNS` with kind trace / answer. Nothing when thinking is
+    off or the run scored no served replies."""
+    from harness.divergence import token_stats
+    from harness.results.summary import SIDE_COLUMNS
+
+    labelled = reply_parts(tokens, texts, spec, decode)
+    out: dict[str, float] = {}
+    if labelled.empty:
+        return out
+    for part in (TRACE, ANSWER):
+        rows = labelled[labelled["part"] == part]
+        if rows.empty:
+            out[f"overall/n_tokens_{part}"] = 0.0
+            continue
+        for frame in (rows.assign(slice="overall"), rows):
+            for row in token_stats.summarize_by(frame, "slice").to_dict("records"):
+                for stat, name in SIDE_COLUMNS.items():
+                    value = row.get(stat)
+                    if value is not None and math.isfinite(float(value)):
+                        out[f"{row['slice']}/{name.format(kind=part)}"] = float(value)
+    return out
+
+
+def markdown(metrics: dict[str, Any], slice_name: str) -> str:
+    """The report's "Thinking" section of one slice: per side and paired, the intervals ``gate.thinking`` reads
+    (""  when the slice has no trace metrics)."""
+    prefix = f"{slice_name}/think_"
+    if f"{prefix}n" not in metrics:
+        return ""
+
+    def pct(key: str) -> str:
+        value = metrics.get(key)
+        return "–" if value is None else f"{100 * value:.1f}"
+
+    def shown(stem: str, scale: float = 100.0, shift: float = 0.0) -> str:
+        value, low, high = (metrics.get(stem), metrics.get(f"{stem}_ci_low"), metrics.get(f"{stem}_ci_high"))
+        if value is None:
+            return "–"
+        tail = "" if low is None or high is None else \
+            f" [{scale * (low - shift):+.1f}, {scale * (high - shift):+.1f}]"
+        return f"{scale * (value - shift):+.1f}{tail}"
+
+    lines = [f"### Thinking: {slice_name}", "",
+             f"{int(metrics[f'{prefix}n'])} generation items; candidate − reference with its interval (the one "
+             "gate.thinking reads).", "",
+             "| | reference % | candidate % | Δ pt [CI] |", "|:--|--:|--:|:--|"]
+    for rate, label in (("closed", "trace closed"), ("unclosed", "trace never closed"),
+                        ("cap_hit", "reached the token cap"), ("loop", "ends in a loop")):
+        if f"{prefix}{rate}_ref" in metrics:
+            lines.append(f"| {label} | {pct(f'{prefix}{rate}_ref')} | {pct(f'{prefix}{rate}_quant')} | "
+                         f"{shown(f'{prefix}{rate}_delta') if rate != 'closed' else '–'} |")
+    ref_tokens, quant_tokens = metrics.get(f"{prefix}tokens_ref_mean"), metrics.get(f"{prefix}tokens_quant_mean")
+    if ref_tokens is not None and quant_tokens is not None:
+        lines += ["", f"Trace tokens per item: reference {ref_tokens:.1f}, candidate {quant_tokens:.1f}; change "
+                  f"{shown(f'{prefix}tokens_ratio', shift=1.0)} % (paired cluster bootstrap)."]
+    split = [(part, metrics.get(f"{slice_name}/kl_{part}_mean"), metrics.get(f"{slice_name}/top1_agree_{part}"),
+              metrics.get(f"{slice_name}/n_tokens_{part}")) for part in (TRACE, ANSWER)]
+    if any(kl is not None for _, kl, _, _ in split):
+        lines += ["", "| along the reference's replies | tokens | KL mean (nats) | top-1 agree % |", "|:--|--:|--:|--:|"]
+        lines += [f"| {part} | {int(n or 0)} | {'–' if kl is None else f'{kl:.4g}'} | "
+                  f"{'–' if top1 is None else f'{100 * top1:.1f}'} |" for part, kl, top1, n in split]
+    return "\n".join(lines) + "\n"

@@ -29,11 +29,13 @@ from harness import quant
 from harness.checkpoint import candidate
 from harness.config import RunConfig, config_dict, to_config
 from harness.decision import gate
+from harness.decision.criteria import check_thinking_limits
 from harness.divergence import scoring as divergence
 from harness.engines import served
 from harness.errors import UsageError
 from harness.evaluation import evaluate, prompt_log, sequential_run, thinking
 from harness.evaluation.evaluate import check_settings
+from harness.evaluation import judge, judge_client
 from harness.evaluation.slices import Slice, check_hub_for_registry, resolve
 from harness.infra import devices, joblog, progress
 from harness.infra.cache import (
@@ -376,10 +378,16 @@ def write_results(job: Job, judged: Candidate, references: dict[str, SliceRefere
     result = summary_record(cfg, job.key, comparison, judged.quant_report, references, evaluated, timings,
                             judged.loaded)
     result["metrics"].update(think_metrics)
+    result["metrics"].update(thinking.kl_split_metrics(  # KL along the replies' traces and answers, apart
+        tokens, {name: r.texts for name, r in references.items()}, thinking.spec_of(cfg), tokenizer.decode))
     prompt_metrics, prompt_frame = prompt_log_outcomes(job, items, tokenizer)
     if not prompt_frame.empty:  # numbers and language codes only: no prompt or reply text
         _write_parquet(prompt_frame, results_dir / "prompt_outcomes.parquet")
     result["metrics"].update(prompt_metrics)
+    pairwise = judge_stage(job, items)
+    if pairwise is not None:  # judge.endpoint / judge.serve: the two replies judged blind, both orders
+        result["metrics"].update(pairwise.metrics)
+        result["judge"] = pairwise.params
     if judged.quant_report.bits_known:  # a served candidate with no local checkpoint: no bits, no ledger
         result["quant"].update(capacity_ledger.metrics())
     result["reference_deferred"] = deferred  # read after evaluating: another job computed them
@@ -405,6 +413,7 @@ def preflight(cfg: RunConfig) -> Preflight:
     slices = resolve(cfg.slices)
     check_hub_for_registry(slices)
     gate.check_outcome_limits(cfg.gate)  # gate.outcomes: known outcomes, limits in [0, 1)
+    check_thinking_limits(cfg.gate, thinking.spec_of(cfg).on)  # gate.thinking: known keys, a thinking model
     served_reference.check_config(cfg)  # reference.endpoint / reference.serve: a served candidate beside it
     for slice_ in slices:  # a prompt log is read and checked row by row now, not once the model is loaded
         if prompt_log.TASK in slice_.config.tasks:
@@ -413,6 +422,7 @@ def preflight(cfg: RunConfig) -> Preflight:
     check_format(cfg.quant.calibration, cfg.model.chat_template, cfg.model.name)
     check_settings(cfg)
     thinking.check_config(cfg)
+    judge_client.check_config(cfg.judge, list(cfg.slices), cfg.gate.judge_loss_max)  # judge.*: before any work
     sequential_run.check_config(cfg, slices)
     models.check_available(cfg.model)
     uri = tracking.resolve_uri(cfg.tracking.uri)
@@ -625,6 +635,21 @@ def prompt_log_outcomes(job: Job, items: pd.DataFrame, tokenizer: Any) -> tuple[
                                            seed=compare.seed), frame
 
 
+def judge_stage(job: Job, items: pd.DataFrame) -> judge.JudgeResult | None:
+    """The pairwise judge on judge.slices (harness.evaluation.judge); None when no judge is set."""
+    if not judge_client.enabled(job.cfg.judge):
+        return None
+    conversations: dict[str, str] = {}
+    for slice_ in job.checked.slices:  # a prompt log's conversations, as the user saw them
+        if slice_.name in job.cfg.judge.slices and prompt_log.TASK in slice_.config.tasks:
+            conversations.update(judge.conversations_from_rows(slice_.items(**slice_.metadata(job.cfg.eval.seed))))
+    with job.timings.stage("judge"):
+        result = judge.run_judge(job.cfg.judge, items, conversations, log_dir=job.results_dir,
+                                 ci_level=job.cfg.compare.ci_level)
+    judge.write(result, job.results_dir)
+    return result
+
+
 def write_analysis(directory: Path, cfg: RunConfig, comparison: summary.Comparison, quant_report: quant.QuantReport,
                    result: dict, capacity_ledger: ledger.Ledger,
                    long_generation: longgen.LongGenReport | None = None) -> None:
@@ -647,6 +672,12 @@ def write_analysis(directory: Path, cfg: RunConfig, comparison: summary.Comparis
         markdown += "\n" + long_generation.markdown() + "\n![survival](long_generation_survival.png)\n"
     for name in result.get("slices", []):
         section = prompt_outcomes.markdown(result["metrics"], name)
+        if section:
+            markdown += "\n" + section
+        section = judge.report_section(directory, result["metrics"], name, (result.get("judge") or {}).get("judge.model"))
+        if section:
+            markdown += "\n" + section
+        section = thinking.markdown(result["metrics"], name)  # thinking runs only
         if section:
             markdown += "\n" + section
     atomic_write_text(directory / "report.md", markdown)

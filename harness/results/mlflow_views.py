@@ -54,6 +54,10 @@ HEADLINE_MEASURES = ("acc_delta_pt", "acc_delta_lo_pt", "acc_delta_hi_pt", "flip
 DETAIL_STATS = ("n", "n_clusters", "acc_delta", "acc_delta_ci_low", "acc_delta_ci_high", "acc_delta_p_adj",
                 "flip_rate", "kl_se", "kl_p99", "kl_reverse_mean", "kl_plain_mean", "kl_prompt_mean", "top1_agree",
                 "ppl_ratio", "gen_identical_rate", "kl_lower_bound_mean")
+# a thinking run's KL along its replies' traces and answers (harness.evaluation.thinking.kl_split_metrics); its
+# trace statistics are the think_* metrics, logged whole
+THINKING_DETAIL = tuple(name for part in ("trace", "answer") for name in (
+    f"n_tokens_{part}", f"kl_{part}_mean", f"kl_{part}_se", f"kl_{part}_p99", f"top1_agree_{part}"))
 DETAIL_QUANT = ("bits_per_weight", "bits_per_param_total", "quantized_fraction", "sqnr_db_mean", "sqnr_db_min",
                 "weight_gb", "layers_quantized", "coverage_quantized_share")  # and an MoE's router_* agreement
 
@@ -296,7 +300,8 @@ def detail_metrics(summary: Mapping[str, Any], *, everything: bool = False) -> d
     for key, value in (summary.get("metrics") or {}).items():
         name, _, stat = str(key).rpartition("/")
         number = _finite(value)
-        if number is not None and (everything or stat in DETAIL_STATS or stat.startswith("po_")):  # po_: your prompts
+        if number is not None and (everything or stat in DETAIL_STATS or stat.startswith("po_")  # po_: your prompts
+                                  or stat.startswith("think_") or stat in THINKING_DETAIL):
             out[f"detail/{key}"] = number
     for key, value in (summary.get("quant") or {}).items():
         number = _finite(value) if not isinstance(value, bool) else None

@@ -106,7 +106,7 @@ def _decision_sections(report: ComparisonReport, figures: dict[str, Path]) -> li
     if not report.budget.empty:
         parts += ["<h2>Thinking budget sweep</h2>", _findings(budget_findings(report)),
                   _html_table(budget_text_table(report), css="budget",
-                              cell_class=lambda c, t: _verdict_class(t) if c == "verdict" else ""), *image("budget")]
+                              cell_class=lambda c, t: _verdict_class(t) if c == "verdict" else ""), *image("budget_curves")]
     return parts
 
 

@@ -25,7 +25,7 @@ from harness.compare.render.tables import (
 
 __all__ = ["DECISION_PLOTS", "decision_sections", "markdown"]
 
-DECISION_PLOTS = ("quality_vs_speed", "trace_lengths", "budget")
+DECISION_PLOTS = ("quality_vs_speed", "trace_lengths", "budget_curves")
 
 
 def markdown(report: ComparisonReport, figures: dict[str, Path]) -> str:
@@ -69,5 +69,5 @@ def decision_sections(report: ComparisonReport, figures: dict[str, Path]) -> lis
                   *_figure(figures, "trace_lengths")]
     if not report.budget.empty:
         parts += ["## Thinking budget sweep", "", *[f"- {line}" for line in budget_findings(report)], "",
-                  budget_text_table(report).to_markdown(index=False), "", *_figure(figures, "budget")]
+                  budget_text_table(report).to_markdown(index=False), "", *_figure(figures, "budget_curves")]
     return parts

@@ -331,7 +331,7 @@ def budget_curves(budget: pd.DataFrame, *, margin: float | None) -> Figure | Non
         right.errorbar(x, delta, yerr=_errors(delta, 100 * part["delta_ci_low"], 100 * part["delta_ci_high"]),
                        fmt="none", ecolor="tab:blue", capsize=3)
         right.plot(x[passed], delta[passed], "o", color="tab:blue", label="non-inferior (CI above −margin)")
-        right.plot(x[~passed], delta[~passed], "o", color="tab:blue", markerfacecolor="white", label="not shown")
+        right.plot(x[~passed], delta[~passed], "o", color="tab:blue", markerfacecolor="white", label="not shown non-inferior")
         right.axhline(0, color="black", linewidth=0.6)
         if margin:
             right.axhline(-100 * margin, color="tab:green", linestyle="--", label=f"−margin ({100 * margin:g} pt)")
@@ -377,7 +377,7 @@ def render_all(report: ComparisonReport, out_dir: Path) -> dict[str, Path]:
     figures["long_generation_survival"] = long_generation_survival(report.survival, labels)
     figures["quality_vs_speed"] = quality_vs_speed(report.speed, margin=report.options.margin)
     figures["trace_lengths"] = trace_lengths(report.traces, report.trace_stats)
-    figures["budget"] = budget_curves(report.budget, margin=report.options.margin)
+    figures["budget_curves"] = budget_curves(report.budget, margin=report.options.margin)
     out: dict[str, Path] = {}
     for name, fig in figures.items():
         if fig is None:

@@ -24,7 +24,7 @@ CAPTIONS = {
                         "filled and starred: on the Pareto front (point estimates); bars: the intervals.",
     "trace_lengths": "Thinking trace tokens per item, reference and candidate overlaid (ECDF); the legend gives each "
                      "side's cap-hit and unclosed rates.",
-    "budget": "Accuracy against the thinking budget for both sides (left) and Δ with its interval against the "
+    "budget_curves": "Accuracy against the thinking budget for both sides (left) and Δ with its interval against the "
               "margin (right); the green line marks the smallest budget where the candidate matches.",
 }
 

@@ -399,3 +399,52 @@ def test_the_report_section_names_the_numbers(serve, tmp_path):
     assert "## Pairwise judge by scripted-judge: prompts" in text
     assert "identical replies (a tie, the judge not asked): 1" in text and "wins 50.0" in text
     assert "| support |" in text and "| code |" in text
+
+
+def _tiny_log(tmp_path: Path) -> Path:
+    log = tmp_path / "log.jsonl"
+    rows = [{"id": f"r{i}", "group": f"user-{i // 2}", "stratum": ["support", "code"][i % 2],
+             "messages": [{"role": "user", "content": f"Question {i}: how do I reset my password?"}],
+             "max_tokens": 6} for i in range(10)]
+    log.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return log
+
+
+@pytest.mark.slow
+def test_a_job_with_a_judge_writes_its_verdicts_metrics_and_report_section(make_cfg, serve, tmp_path, monkeypatch):
+    from harness.job import pipeline
+
+    monkeypatch.setenv("JUDGE_TEST_KEY", KEY)
+    script = Script("longer", key=KEY)
+    url = serve(script)
+    result = pipeline.run(make_cfg("model=tiny_random", "quant=int4_g32", "slices=prompts",
+                                   f"prompts.path={_tiny_log(tmp_path)}", f"judge.endpoint={url}",
+                                   "judge.api_key_env=JUDGE_TEST_KEY", "tracking.enabled=false"))
+    results_dir = next((tmp_path / "results").iterdir())
+    items = pd.read_parquet(results_dir / "items.parquet")
+    differ = int((items["response_ref"] != items["response_quant"]).sum())
+    assert differ > 0  # int4 on the tiny model changes replies: the judge has something to read
+    # by hand from the saved replies: the scripted judge prefers the longer one, equal lengths tie
+    wins = int((items["response_quant"].str.len() > items["response_ref"].str.len()).sum())
+    losses = int((items["response_quant"].str.len() < items["response_ref"].str.len()).sum())
+    metrics = result["metrics"]
+    assert metrics["prompts/judge_n"] == 10 and metrics["prompts/judge_identical"] == 10 - differ
+    assert metrics["prompts/judge_win"] == pytest.approx(wins / 10)
+    assert metrics["prompts/judge_loss"] == pytest.approx(losses / 10)
+    assert len(script.chats) == 2 * differ and result["judge"]["judge.model"] == "scripted-judge"
+    assert set(pd.read_parquet(results_dir / "judge.parquet")["item_id"]) == set(items["item_id"])
+    assert "## Pairwise judge by scripted-judge: prompts" in (results_dir / "report.md").read_text()
+    for path in results_dir.rglob("*"):
+        if path.is_file():
+            assert KEY.encode() not in path.read_bytes(), path
+
+
+def test_a_job_with_a_bad_judge_config_stops_before_loading_the_model(make_cfg, serve, tmp_path):
+    from harness.job import pipeline
+
+    script = Script("longer")
+    url = serve(script)
+    with pytest.raises(JudgeConfigError, match=r"judge.slices names \['math'\]"):
+        pipeline.run(make_cfg("model=tiny_random", "slices=prompts", f"prompts.path={_tiny_log(tmp_path)}",
+                              f"judge.endpoint={url}", "judge.slices=[math]", "tracking.enabled=false"))
+    assert script.arrivals == [] and not (tmp_path / "results").exists()

@@ -217,3 +217,19 @@ def test_measured_figures_reach_perf_md_mlflow_metrics_and_the_comparison(tmp_pa
     md = write_report(report, tmp_path / "out")["markdown"].read_text()
     assert "## Predicted against measured (memory and decode speed)" in md
     assert "0.225 (checkpoint size)" in md and "0.50 (1 in flight)" in md
+
+
+def test_the_front_and_its_plot_reach_the_comparisons_mlflow_run(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from harness.compare import log_comparison
+
+    report = analyse(_runs(), CompareOptions(n_resamples=200, out=str(tmp_path / "out")))
+    write_report(report, tmp_path / "out")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_id = log_comparison(report, tmp_path / "out", uri=uri, experiment="pareto")
+    client = MlflowClient(tracking_uri=uri)
+    logged = client.get_run(run_id)
+    assert logged.data.metrics["n_pareto"] == 2 and logged.data.metrics["n_slower"] == 1  # int8, int4; fp8
+    names = {entry.path for entry in client.list_artifacts(run_id)}
+    assert {"quality_vs_speed.png", "speed.parquet", "comparison.md"} <= names

@@ -9,13 +9,15 @@ themselves and unfinished runs are never selected) or taken from results directo
 re-analysed together so the multiple-comparison correction spans every test of the comparison.
 Outputs (``results/compare/<name>/``): ``comparison.md``, a self-contained ``comparison.html``,
 PNG plots, the tables as parquet, all logged as artifacts of an MLflow run tagged
-``harness.kind=comparison``.
+``harness.kind=comparison``. Where the runs have them, decision sections too: quality against
+measured speed-up with its Pareto front and the ledger beside the engine (:mod:`.speed`, runs with a
+``perf.json``), a thinking model's trace lengths (:mod:`.traces`) and budget sweeps (:mod:`.budget`).
 
 The package imports one way (each module only imports those below it)::
 
     __main__ (CLI)  →  pipeline  →  output  →  render.{markdown, html_page, terminal, plots}
                                                       →  render.tables  →  harness.results.formatting
-                       pipeline  →  sources, analysis  →  options, harness.stats / summary
+                       pipeline  →  sources, analysis  →  options, speed, traces, budget, harness.stats / summary
                        pipeline  →  parity  →  sources, harness.stats / summary
 
 This file imports nothing at import time: the names below load their module on first use,

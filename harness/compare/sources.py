@@ -3,7 +3,7 @@ results directories written by ``harness.job.pipeline``. Each becomes a :class:`
 run's summary and its per-item, per-token and generation tables.
 
 Only the tables a comparison reads are downloaded from MLflow (summary, config, items,
-tokens, generation); comparison runs (tag ``harness.kind=comparison``) and unfinished runs
+tokens, generation, a thinking run's trace lengths, a ``perf.json`` of serving speed); comparison runs (tag ``harness.kind=comparison``) and unfinished runs
 are never selected.
 """
 from __future__ import annotations

@@ -20,7 +20,9 @@ request (vLLM's ``ignore_eos``), so the same work is timed.
 
 Beside the client's timings, what the engine itself reports: vLLM's Prometheus ``/metrics`` scraped before
 and after each level (means of its TTFT, inter-token, e2e, queue, prefill and decode histograms, tokens
-counted, KV-cache use), and from its log the weight memory and KV-cache capacity.
+counted, KV-cache use), and from its log the weight memory and KV-cache capacity. Beside those, the capacity
+ledger's prediction for the run that was measured (:func:`describe_run`, :func:`predicted_vs_measured`): the
+scheme's and the BF16 reference's weight memory and batch-1 decode floor on the device, with measured ÷ predicted.
 
 :func:`measure_pair` starts each server with :class:`~harness.engines.vllm_serve.ServedProcess`;
 :func:`measure_endpoint` measures a running one. :func:`flat_metrics` and :func:`headline` give a result's
@@ -448,7 +450,8 @@ FLAT_KEYS = ("output_tok_s", "requests_s", "ttft_p50", "ttft_p90", "ttft_p99", "
 
 def flat_metrics(result: dict) -> dict[str, float]:
     """``perf/c<N>/<side>/<figure>`` and ``perf/c<N>/speedup[_ci_low|_ci_high]`` for summary.json and MLflow
-    (seconds, tokens/s, requests/s; speed-up as a ratio)."""
+    (seconds, tokens/s, requests/s; speed-up as a ratio); ``perf/log/<side>/<fact>`` from each server's log (GiB,
+    tokens); ``perf/predicted/<side>/<figure>`` where the ledger stands beside the measurement (GB, ms, ratios)."""
     out: dict[str, float] = {}
     for level in result["levels"]:
         prefix = f"perf/c{level['concurrency']}"

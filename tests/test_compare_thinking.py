@@ -1,7 +1,7 @@
 """harness.compare for a thinking model: both sides' trace lengths per run (quantiles and rates against hand
-counts, intervals against Wilson on the Korn–Graubard effective size by hand), and a budget sweep whose accuracies, Δ and the smallest matching
-budget are fixed by construction; the fixed-sequence rule's false-claim rate measured by simulation with the
-comparison's own interval."""
+counts, intervals against Wilson on the Korn–Graubard effective size computed by hand), and a budget sweep whose
+accuracies, Δ and smallest matching budget are fixed by construction; the fixed-sequence rule's false-claim rate
+measured by simulation with the comparison's own interval."""
 from __future__ import annotations
 
 import copy

@@ -156,7 +156,8 @@ def speed_findings(report: ComparisonReport) -> list[str]:
     lines = []
     for level, part in speed.groupby("concurrency"):
         names = ", ".join(part.loc[part["pareto"], "label"])
-        lines.append(f"Pareto front at {level} in flight (faster and at least as good, point estimates): {names}.")
+        lines.append(f"Pareto front at {level} in flight (no other point as fast and as good and better in one; "
+                     f"point estimates): {names}.")
     for r in speed[speed["speed"].str.startswith("SLOWER")].to_dict("records"):
         lines.append(f"{r['label']} is SLOWER than its reference at {r['concurrency']} in flight: speed-up "
                      f"{r['speedup']:.2f}× [{r['speedup_ci_low']:.2f}, {r['speedup_ci_high']:.2f}], the whole interval "

@@ -394,6 +394,10 @@ class PromptsConfig:
     # log prompt and reply text to MLflow (items tables, artifacts); false: metrics, counts and hashes only, the
     # text stays in the local results directory
     log_text: bool = False
+    # the reference side takes each row's logged reference_reply (the production reply) instead of generating one,
+    # cut at the row's stop strings and token cap; rows without one are generated. KL and top-1 are then measured
+    # along the production replies
+    reference_replies: bool = False
 
 
 @dataclass

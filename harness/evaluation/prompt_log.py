@@ -33,6 +33,7 @@ import hashlib
 import io
 import json
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Literal
@@ -509,3 +510,64 @@ def _sample(rows: list[PromptRow], size: int, seed: int) -> list[PromptRow]:
             picks = rng.choice(len(members[name]), size=counts[name], replace=False)
             chosen.extend(members[name][pick] for pick in picks.tolist())
     return [rows[index] for index in sorted(chosen)]
+
+
+# --------------------------------------------------------------------------- the production reply as the reference's
+def reuses_replies(slice_: Any) -> bool:
+    """Whether the reference side of ``slice_`` takes each row's logged ``reference_reply`` instead of generating
+    (``prompts.reference_replies=true`` on a prompt-log slice)."""
+    config = getattr(slice_, "config", None)
+    return bool(config is not None and TASK in config.tasks and (config.metadata or {}).get("reference_replies"))
+
+
+@contextmanager
+def logged_replies(lm: Any, tokenizer: Any, enabled: bool = True) -> Iterator[dict[str, int]]:
+    """While open, ``lm`` answers a generation request whose item logged a ``reference_reply`` with that reply
+    (no generation), and generates the others as before; yields the counts (``logged``, ``generated``).
+
+    The logged reply is cut as the model's own would have been: at the request's stop strings, and at its token
+    cap (``max_gen_toks``, counted with the reference's tokenizer), so both sides of a pair ran under the same
+    limits and a cap hit means the same on both.
+    """
+    counts = {"logged": 0, "generated": 0}
+    if not enabled:
+        yield counts
+        return
+    own = lm.generate_until
+
+    def generate_until(requests: list, *args: Any, **kwargs: Any) -> list[str]:
+        replies: list[str | None] = [None] * len(requests)
+        for index, request in enumerate(requests):
+            doc = getattr(request, "doc", None)
+            logged = doc.get("reference_reply") if isinstance(doc, dict) else None
+            if logged:
+                replies[index] = _as_generated(str(logged), request, tokenizer)
+        todo = [i for i, reply in enumerate(replies) if reply is None]
+        if todo:
+            for index, reply in zip(todo, own([requests[i] for i in todo], *args, **kwargs)):
+                replies[index] = reply
+        counts["logged"] += len(requests) - len(todo)
+        counts["generated"] += len(todo)
+        return [str(reply) for reply in replies]
+
+    lm.generate_until = generate_until  # the instance's own attribute, ahead of its class's method
+    try:
+        yield counts
+    finally:
+        del lm.generate_until
+
+
+def _as_generated(reply: str, request: Any, tokenizer: Any) -> str:
+    """A logged reply cut at the request's stop strings and its token cap."""
+    arguments = getattr(request, "args", None) or ()
+    kwargs = arguments[1] if len(arguments) > 1 and isinstance(arguments[1], dict) else {}
+    until = kwargs.get("until") or []
+    for stop in [until] if isinstance(until, str) else until:
+        if stop and stop in reply:
+            reply = reply[:reply.index(stop)]
+    cap = kwargs.get("max_gen_toks")
+    if cap:
+        ids = tokenizer(reply, add_special_tokens=False)["input_ids"]
+        if len(ids) > int(cap):
+            reply = tokenizer.decode(ids[:int(cap)], skip_special_tokens=False)
+    return reply

@@ -29,7 +29,7 @@ from harness.config import ModelConfig, RunConfig
 from harness.divergence import router
 from harness.divergence import scoring as divergence
 from harness.divergence.capture import HiddenCapture
-from harness.evaluation import evaluate, generation
+from harness.evaluation import evaluate, generation, prompt_log
 from harness.evaluation.slices import Slice
 from harness.infra import locks
 from harness.infra.cache import Cache
@@ -83,10 +83,14 @@ def _compute(loaded: models.LoadedModel, slice_: Slice, spec: ReferenceSpec, cac
     checkpoint = entry.with_name(f"{key}.checkpoint")  # per-request results of an interrupted attempt
     restored = evaluate.checkpoint_rows(checkpoint)
     captured = capture_for(lm, slice_, spec)  # the served texts' states, from the forwards that answer the items
-    try:
-        records, aggregates = evaluate.evaluate_slice(lm, slice_, settings, checkpoint=checkpoint)
+    try:  # a prompt log's production replies stand for the reference's own where it logged them
+        with prompt_log.logged_replies(lm, loaded.tokenizer, prompt_log.reuses_replies(slice_)) as replayed:
+            records, aggregates = evaluate.evaluate_slice(lm, slice_, settings, checkpoint=checkpoint)
     finally:
         capture_for(lm, None, spec)
+    if replayed["logged"]:
+        log.info("reference for slice %s: %d logged replies reused, %d generated", slice_.name, replayed["logged"],
+                 replayed["generated"])
     plain = spec.divergence_plain and not slice_.config.divergence_from_reference
     texts: list = divergence_texts(slice_, settings) if plain else []
     if served_format(slice_, spec):  # the items as served: prompt as evaluated + this reference's reply

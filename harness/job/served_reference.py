@@ -44,7 +44,7 @@ from harness.engines import served_config
 from harness.engines.openai_http import redact_url
 from harness.engines.served import ServedCandidate
 from harness.errors import UsageError
-from harness.evaluation import evaluate
+from harness.evaluation import evaluate, prompt_log
 from harness.evaluation.slices import Slice
 from harness.job.divergence_texts import divergence_texts, max_divergence_tokens, served_format, served_texts
 from harness.job.identity import ReferenceSpec, tokenizer_dir
@@ -129,7 +129,8 @@ class ServedReference:
             slice_checkpoint = checkpoint / slice_.name
             restored = evaluate.checkpoint_rows(slice_checkpoint)
             log.info("reference for slice %s: asking the served reference", slice_.name)
-            records, aggregates = evaluate.evaluate_slice(lm, slice_, settings, checkpoint=slice_checkpoint)
+            with prompt_log.logged_replies(lm, loaded.tokenizer, prompt_log.reuses_replies(slice_)):
+                records, aggregates = evaluate.evaluate_slice(lm, slice_, settings, checkpoint=slice_checkpoint)
             plain = spec.divergence_plain and not slice_.config.divergence_from_reference
             texts: list = divergence_texts(slice_, settings) if plain else []
             if served_format(slice_, spec):

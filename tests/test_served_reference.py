@@ -86,6 +86,8 @@ def test_both_sides_served_pair_as_an_in_process_reference_would(make_cfg, tmp_p
     assert np.allclose(ta["nll_quant"].to_numpy(), tb["nll_quant"].to_numpy(), atol=1e-6)
     assert "both sides served" in (staged_dir / "report.md").read_text()
     assert in_process["candidate"].get("reference.served") is None
+    assert staged["reference"].startswith("the served reference (at http://127.0.0.1:")  # not model='s weights
+    assert in_process["reference"].startswith("the reference (random weights")
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -551,7 +551,9 @@ def summary_record(cfg: RunConfig, key: str, comparison: summary.Comparison, qua
         quant_summary = {k: v for k, v in quant_summary.items() if k in ("layers_quantized", "quantize_s")}
     return {
         "run_key": key, "run_name": run_name(cfg), "model": cfg.model.name, "scheme": cfg.quant.name,
-        "reference": describe_reference(cfg.model), "method": cfg.quant.method, "slices": list(cfg.slices),
+        "reference": (served_reference.describe(cfg) if served_reference.is_served(cfg)
+                      else describe_reference(cfg.model)),
+        "method": cfg.quant.method, "slices": list(cfg.slices),
         "metrics": comparison.metrics(),
         "timings": {**timings.stages, **{f"model_{k}": v for k, v in loaded.timings.items()}},
         "quant": quant_summary, "reference_cached": {n: r.cached for n, r in references.items()},

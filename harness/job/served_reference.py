@@ -61,6 +61,13 @@ def is_served(cfg: RunConfig) -> bool:
     return bool(cfg.reference.endpoint or cfg.reference.serve)
 
 
+def describe(cfg: RunConfig) -> str:
+    """What the reference is, in one phrase for headers: the served deployment, not ``model=``'s weights."""
+    where = redact_url(cfg.reference.endpoint) if cfg.reference.endpoint else "the server reference.serve starts"
+    model = f"{cfg.reference.endpoint_model} " if cfg.reference.endpoint_model else ""
+    return f"the served reference ({model}at {where}; prompts built with {cfg.model.name}'s tokenizer and template)"
+
+
 def as_candidate_config(ref: ReferenceConfig) -> CandidateConfig:
     """The served reference's settings in the form the served-engine code reads (the fields are the same)."""
     return CandidateConfig(endpoint=ref.endpoint, serve=ref.serve, endpoint_model=ref.endpoint_model,

@@ -119,7 +119,7 @@ TOOL = cli.Tool(prog="python -m harness.evaluation.judge", positional="paths", o
                         "judge.json and judge.md to out=.")
 
 
-def _saved_conversations(config: dict, slices: list[str]) -> dict[str, str]:
+def saved_conversations(config: dict, slices: list[str]) -> dict[str, str]:
     """The conversations of a saved run's prompt-log slices, re-read from its log; {} (the rendered prompts are
     used) when the log cannot be read again."""
     from harness.config import SliceConfig
@@ -161,7 +161,7 @@ def _body(parsed: cli.Parsed[JudgeOptions]) -> int:
     ci_level = options.ci_level or float((config.get("compare") or {}).get("ci_level", 0.95))
     items = pd.read_parquet(directory / "items.parquet")
     out = Path(options.out) if options.out else directory / "judge"
-    result = run_judge(cfg, items, _saved_conversations(config, list(cfg.slices)), log_dir=out, ci_level=ci_level)
+    result = run_judge(cfg, items, saved_conversations(config, list(cfg.slices)), log_dir=out, ci_level=ci_level)
     write(result, out)
     (out / "judge.json").write_text(json.dumps({"metrics": result.metrics, "params": result.params,
                                                 "run": directory.name}, indent=1, default=str))

@@ -332,9 +332,14 @@ def judge_pairs(pairs: list[Pair], client: JudgeClient, concurrency: int = 1) ->
         index, order, messages = job
         verdicts[(index, order)] = parse_verdict(client.chat(messages))
 
-    with ThreadPoolExecutor(max_workers=max(1, int(concurrency))) as pool:
-        for done in pool.map(ask, asks):  # re-raises the first failure
-            del done
+    pool = ThreadPoolExecutor(max_workers=max(1, int(concurrency)))
+    try:
+        for future in [pool.submit(ask, job) for job in asks]:
+            future.result()  # re-raises the first failure
+    except BaseException:  # a failure or Ctrl-C: requests in flight end, queued ones are dropped
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown()
     rows = []
     for index, pair in enumerate(pairs):
         identical = int(pair.reply_ref == pair.reply_quant)

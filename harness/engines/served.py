@@ -110,7 +110,8 @@ class ServedCandidate:
                         if limit is None or len(ref.input_ids) <= limit]
                 skipped += len(references) - len(kept)
                 served = self.engine.prompt_logprobs([ref.input_ids.tolist() for _, ref in kept], k, self._tokenizer)
-                frames += [served_divergence.served_rows(ref, answer, slice_name, index)
+                # a position the server gave no log-prob for (NaN: llama.cpp's echo at BOS tokens) is left out
+                frames += [served_divergence.served_rows(ref, answer, slice_name, index).dropna(subset=["nll_quant"])
                            for (index, ref), answer in zip(kept, served)]
         except served_divergence.NoPromptLogprobs as exc:
             return self._no_divergence(str(exc))

@@ -448,3 +448,74 @@ def test_a_job_with_a_bad_judge_config_stops_before_loading_the_model(make_cfg, 
         pipeline.run(make_cfg("model=tiny_random", "slices=prompts", f"prompts.path={_tiny_log(tmp_path)}",
                               f"judge.endpoint={url}", "judge.slices=[math]", "tracking.enabled=false"))
     assert script.arrivals == [] and not (tmp_path / "results").exists()
+
+
+SERVED_JUDGE = '''
+import json, re, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+SECTION = re.compile(r"\\[Response (A|B)\\]\\n(.*?)\\n\\[End of Response \\1\\]", re.DOTALL)
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        print("request", self.path, flush=True)
+    def send(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+    def do_GET(self):
+        self.send({"data": [{"id": "served-judge"}]} if self.path == "/v1/models" else {})
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        shown = dict(SECTION.findall(body["messages"][-1]["content"]))
+        verdict = "tie" if len(shown["A"]) == len(shown["B"]) else "A" if len(shown["A"]) > len(shown["B"]) else "B"
+        self.send({"choices": [{"message": {"content": verdict}}]})
+HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+'''
+
+
+def test_judge_serve_starts_the_judge_on_a_free_port_and_stops_it(tmp_path):
+    import sys
+
+    from harness.engines.openai_http import healthy
+
+    script = tmp_path / "served_judge.py"
+    script.write_text(SERVED_JUDGE)
+    cfg = JudgeConfig(serve=f"{sys.executable} {script} {{port}}", serve_startup_s=60)
+    seen: list[str] = []
+    original = judge.judge_client
+
+    def spy(*args, **kwargs):  # the URL the stage talked to, to check the server is gone afterwards
+        manager = original(*args, **kwargs)
+        client = manager.__enter__()
+        seen.append(client.base.removesuffix("/v1"))
+        return _Entered(manager, client)
+
+    class _Entered:
+        def __init__(self, manager, client):
+            self.manager, self.client = manager, client
+
+        def __enter__(self):
+            return self.client
+
+        def __exit__(self, *exc):
+            return self.manager.__exit__(*exc)
+
+    judge.judge_client = spy
+    try:
+        result = judge.run_judge(cfg, _items([(3, 9), (9, 3), (5, 5)]), {}, log_dir=tmp_path)
+    finally:
+        judge.judge_client = original
+    assert list(result.frame["outcome"]) == ["win", "loss", "tie"]  # the longer reply preferred, by hand
+    assert result.params["judge.model"] == "served-judge" and result.params["judge.endpoint"] == "serve"
+    assert (tmp_path / "judge_serve.log").read_text().count("request /v1/chat/completions") == 6
+    assert seen and not healthy(seen[0])  # stopped on leaving
+
+
+def test_a_judge_serve_command_that_dies_is_one_line_naming_judge_serve(tmp_path):
+    import sys
+
+    cfg = JudgeConfig(serve=f"{sys.executable} -c 'import sys; print(\"no model here\"); sys.exit(3)' {{port}}",
+                      serve_startup_s=30)
+    with pytest.raises(EndpointError, match=r"judge.serve did not come up: .*exited with code 3.*no model here"):
+        judge.run_judge(cfg, _items([(3, 9)]), {}, log_dir=tmp_path)

@@ -20,6 +20,7 @@ import datetime
 import itertools
 import json
 import math
+import os
 import platform
 import time
 from pathlib import Path
@@ -97,7 +98,7 @@ def main() -> None:
         print(json.dumps(rows[-1]))
     total = sum(r["false_pass"] * r["runs"] for r in rows)
     runs = sum(r["runs"] for r in rows)
-    out = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()} {platform.node()}",
+    out = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()} {os.cpu_count()} CPUs",
            "limit": args.limit, "ci_level": 0.95, "nominal_false_pass": 0.025, "rows": rows,
            "false_pass_all": total / runs, "false_pass_all_ci": wilson(round(total), runs),
            "false_pass_max": max(r["false_pass"] for r in rows), "seconds": round(time.time() - started, 1)}

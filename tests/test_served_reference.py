@@ -210,3 +210,27 @@ def test_a_429_is_waited_out_for_its_retry_after_and_too_many_end_the_run_in_one
         assert len(server.arrivals) == 3
     finally:
         server.close()
+
+
+@pytest.mark.slow
+def test_a_served_reference_that_dies_mid_slice_ends_in_one_line_and_the_same_command_resumes(make_cfg, tmp_path):
+    base = to_config(make_cfg(*SMALL, "quant=none"))
+    loaded = models.load(base.model, base.paths.cache_dir)
+    from harness.engines.vllm_serve import free_port
+
+    port = free_port()  # the same URL both times: a served reference's URL is part of the run's key
+    with FakeServer(loaded.model, loaded.tokenizer, name="candidate") as cand_server:
+        overrides = [*SMALL, "quant=external", f"candidate.endpoint={cand_server.url}",
+                     f"reference.endpoint=http://127.0.0.1:{port}"]
+        with FakeServer(loaded.model, loaded.tokenizer, name="deployed", die_after=5, port=port):
+            with pytest.raises(Exception, match=r"^reference endpoint http://127.0.0.1:\d+/v1: .*the same command "
+                                                r"resumes") as err:
+                run_mod.run(make_cfg(*overrides))
+        assert "\n" not in str(err.value)
+        with FakeServer(loaded.model, loaded.tokenizer, name="deployed", port=port) as again:
+            result = run_mod.run(make_cfg(*overrides))
+        assert result["metrics"]["math/n"] == 16
+        with FakeServer(loaded.model, loaded.tokenizer, name="deployed", port=port) as fresh:
+            run_mod.run(make_cfg(*overrides, "force=true"))  # the whole run asked again, for the count
+        # the answers given before the failure were not asked again
+        assert 0 < again.completions < fresh.completions

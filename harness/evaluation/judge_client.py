@@ -22,6 +22,7 @@ from __future__ import annotations
 import email.utils
 import json
 import logging
+import os
 import re
 import socket
 import threading
@@ -98,8 +99,6 @@ def check_config(cfg: JudgeConfig, slices: Iterable[str], judge_loss_max: Option
             raise JudgeConfigError("judge.serve holds --api-key, which would be logged: start the server with the "
                                    "key from its environment (e.g. VLLM_API_KEY) and name it in judge.api_key_env")
     if cfg.api_key_env is not None:
-        import os
-
         if not _ENV_NAME.match(str(cfg.api_key_env)):
             raise JudgeConfigError("judge.api_key_env must be the NAME of an environment variable (letters, digits, "
                                    "_), not the key itself: export JUDGE_API_KEY=... and set "
@@ -205,8 +204,6 @@ class JudgeClient:
         self._count = threading.Lock()
 
     def _headers(self) -> dict[str, str]:
-        import os
-
         headers = {"Content-Type": "application/json"}
         if self.cfg.api_key_env:
             key = os.environ.get(self.cfg.api_key_env)

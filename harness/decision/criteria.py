@@ -416,6 +416,8 @@ def thinking_criteria(run: RunResults, cfg: GateConfig, slices: list[str]) -> li
         return []
     metrics = run.summary.get("metrics", {})
     if not any(key.endswith("/think_n") for key in metrics):
+        if str((run.config.get("model") or {}).get("thinking") or "none") != "none":
+            return []  # a thinking run without generation items: no trace to judge
         raise GateInputError(f"gate.thinking={limits}, and {run.directory} has no trace metrics (not a thinking "
                              "run: model.thinking=none); drop gate.thinking for it")
     out = []

@@ -519,3 +519,10 @@ def test_a_judge_serve_command_that_dies_is_one_line_naming_judge_serve(tmp_path
                       serve_startup_s=30)
     with pytest.raises(EndpointError, match=r"judge.serve did not come up: .*exited with code 3.*no model here"):
         judge.run_judge(cfg, _items([(3, 9)]), {}, log_dir=tmp_path)
+
+
+def test_the_judge_metrics_reach_mlflow_under_detail():
+    from harness.results.mlflow_views import detail_metrics
+
+    shown = detail_metrics({"metrics": {"prompts/judge_loss_minus_win": 0.04, "prompts/judge_consistency": 0.8}})
+    assert shown == {"detail/prompts/judge_loss_minus_win": 0.04, "detail/prompts/judge_consistency": 0.8}

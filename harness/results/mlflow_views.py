@@ -301,7 +301,8 @@ def detail_metrics(summary: Mapping[str, Any], *, everything: bool = False) -> d
         name, _, stat = str(key).rpartition("/")
         number = _finite(value)
         if number is not None and (everything or stat in DETAIL_STATS or stat.startswith("po_")  # po_: your prompts
-                                  or stat.startswith("think_") or stat in THINKING_DETAIL):
+                                  or stat.startswith("think_") or stat in THINKING_DETAIL
+                                  or stat.startswith("judge_")):  # judge_: the pairwise judge
             out[f"detail/{key}"] = number
     for key, value in (summary.get("quant") or {}).items():
         number = _finite(value) if not isinstance(value, bool) else None

@@ -526,3 +526,21 @@ def test_the_judge_metrics_reach_mlflow_under_detail():
 
     shown = detail_metrics({"metrics": {"prompts/judge_loss_minus_win": 0.04, "prompts/judge_consistency": 0.8}})
     assert shown == {"detail/prompts/judge_loss_minus_win": 0.04, "detail/prompts/judge_consistency": 0.8}
+
+
+# (verdict with the reference shown first, verdict with the candidate shown first) -> (outcome, consistent), by hand
+HAND_TABLE = {
+    ("B", "A"): ("win", 1.0), ("B", "tie"): ("win", 0.0), ("tie", "A"): ("win", 0.0),
+    ("A", "B"): ("loss", 1.0), ("A", "tie"): ("loss", 0.0), ("tie", "B"): ("loss", 0.0),
+    ("tie", "tie"): ("tie", 1.0), ("A", "A"): ("tie", 0.0), ("B", "B"): ("tie", 0.0),
+}
+
+
+@pytest.mark.parametrize("first", ["A", "B", "tie", "unparsable"])
+@pytest.mark.parametrize("second", ["A", "B", "tie", "unparsable"])
+def test_every_pair_of_verdicts_gives_the_hand_tabled_outcome(first, second):
+    outcome, consistent = judge_stats.item_outcome(first, second)
+    if "unparsable" in (first, second):
+        assert outcome == "unparsable" and np.isnan(consistent)  # no outcome, not guessed from the other order
+    else:
+        assert (outcome, consistent) == HAND_TABLE[(first, second)]

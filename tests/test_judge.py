@@ -419,8 +419,11 @@ def test_a_job_with_a_judge_writes_its_verdicts_metrics_and_report_section(make_
     url = serve(script)
     result = pipeline.run(make_cfg("model=tiny_random", "quant=int4_g32", "slices=prompts",
                                    f"prompts.path={_tiny_log(tmp_path)}", f"judge.endpoint={url}",
-                                   "judge.api_key_env=JUDGE_TEST_KEY", "tracking.enabled=false"))
+                                   "judge.api_key_env=JUDGE_TEST_KEY", "tracking.enabled=false",
+                                   "gate.enabled=true", "gate.judge_loss_max=0.5"))
     results_dir = next((tmp_path / "results").iterdir())
+    gated = json.loads((results_dir / "gate.json").read_text())
+    assert "judge_loss" in json.dumps(gated)  # the gate reads the judge's criterion beside accuracy
     items = pd.read_parquet(results_dir / "items.parquet")
     differ = int((items["response_ref"] != items["response_quant"]).sum())
     assert differ > 0  # int4 on the tiny model changes replies: the judge has something to read

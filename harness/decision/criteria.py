@@ -456,8 +456,11 @@ def decide_run(run: RunResults, cfg: GateConfig) -> RunDecision:
     tokens = token_criteria(run, cfg, slices)
     outcomes = outcome_criteria(run, cfg, slices)
     traces = thinking_criteria(run, cfg, slices)
+    from harness.decision.judge_criteria import judge_criteria  # it builds on this module's Criterion
+
+    judged = judge_criteria(run, cfg, slices)
     order = {s: i for i, s in enumerate(slices)}
-    criteria = sorted(accuracy + tokens + outcomes + traces, key=lambda c: order[c.slice])
+    criteria = sorted(accuracy + tokens + outcomes + traces + judged, key=lambda c: order[c.slice])
     notes = [f"{run.summary.get('scheme', '')}: {line}" for line in simulation_lines(run.summary)]
     return RunDecision(str(run.summary.get("run_name", run.directory.name)), str(run.directory),
                        str(run.summary.get("model", "")), str(run.summary.get("scheme", "")), criteria, notes)

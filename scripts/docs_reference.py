@@ -539,11 +539,12 @@ METRICS: dict[str, tuple[str, str]] = {
 
 
 def _module_metrics() -> dict[str, tuple[str, str]]:
-    """Keys a module documents beside its own code (harness.evaluation.thinking, harness.results.prompt_outcomes)."""
+    """Keys a module documents beside its own code (harness.evaluation.thinking and judge_stats,
+    harness.results.prompt_outcomes)."""
     sys.path.insert(0, str(REPO))
-    from harness.evaluation import thinking
+    from harness.evaluation import judge_stats, thinking
     from harness.results import prompt_outcomes
-    return {**thinking.METRIC_DOCS, **prompt_outcomes.METRIC_DOCS}
+    return {**thinking.METRIC_DOCS, **prompt_outcomes.METRIC_DOCS, **judge_stats.METRIC_DOCS}
 
 
 METRICS.update(_module_metrics())

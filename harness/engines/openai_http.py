@@ -30,8 +30,8 @@ class EndpointError(UserError, RuntimeError):
     retry_after: float | None = None  # seconds a 429 answer asked the client to wait (its Retry-After header)
 
 
-def _retry_after(value: str | None) -> float | None:
-    """A Retry-After header in seconds (delta-seconds or an HTTP date); None when absent or unreadable."""
+def retry_after(value: str | None) -> float | None:
+    """Seconds from a Retry-After header (delta-seconds or an HTTP date); None when absent or unreadable."""
     if not value:
         return None
     try:
@@ -43,6 +43,27 @@ def _retry_after(value: str | None) -> float | None:
         return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
     except (TypeError, ValueError):
         return None
+
+
+class RateLimit:
+    """At most ``per_s`` request starts per second (None or 0: no limit), shared by the threads that call
+    :meth:`wait`; ``clock`` and ``sleep`` are the time functions (a test passes its own)."""
+
+    def __init__(self, per_s: float | None, clock: Any = time.monotonic, sleep: Any = time.sleep):
+        self.interval = 1.0 / float(per_s) if per_s else 0.0
+        self.clock, self.sleep = clock, sleep
+        self._next = 0.0
+        self._lock = threading.Lock()
+
+    def wait(self) -> None:
+        if not self.interval:
+            return
+        with self._lock:
+            now = self.clock()
+            start = max(now, self._next)
+            self._next = start + self.interval
+        if start > now:
+            self.sleep(start - now)
 
 
 @dataclass(frozen=True)
@@ -105,20 +126,7 @@ class Client:
         self.served: dict | None = None  # the served model's /v1/models entry, once connected
         self.requests = 0
         self.rate_limited = 0  # 429 answers waited out
-        self._pace_lock = threading.Lock()
-        self._next_start = 0.0  # monotonic time before which no request starts (max_requests_per_s)
-
-    def _pace(self) -> None:
-        """Wait until the next request may start under ``max_requests_per_s`` (shared by every thread)."""
-        rate = self.spec.max_requests_per_s
-        if not rate:
-            return
-        with self._pace_lock:
-            now = time.monotonic()
-            start = max(now, self._next_start)
-            self._next_start = start + 1.0 / rate
-        if start > now:
-            time.sleep(start - now)
+        self.limit = RateLimit(spec.max_requests_per_s)  # max_requests_per_s, shared by every thread
 
     def _headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
@@ -156,7 +164,7 @@ class Client:
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(self.base + path, data=data, headers=self._headers(),
                                          method="GET" if body is None else "POST")
-        self._pace()
+        self.limit.wait()
         self.requests += 1
         try:
             with urllib.request.urlopen(request, timeout=self.spec.timeout_s) as response:
@@ -173,7 +181,7 @@ class Client:
                 "endpoint_max_requests_per_s or endpoint_concurrency)" if exc.code == 429 else ""
             error = self._fail(f"HTTP {exc.code} on {path}{hint}: {detail}")
             error.http_status, error.detail = exc.code, scrub(str(detail), self.spec.api_key_env)
-            error.retry_after = _retry_after(exc.headers.get("Retry-After") if exc.headers else None)
+            error.retry_after = retry_after(exc.headers.get("Retry-After") if exc.headers else None)
             raise error from None
         except (TimeoutError, socket.timeout):
             raise self._fail(f"no reply to {path} within {self.spec.timeout_s:.0f} s (a hung server; "

@@ -19,7 +19,6 @@ The stage that starts the judge and writes its files, and the command over a fin
 """
 from __future__ import annotations
 
-import email.utils
 import json
 import logging
 import os
@@ -38,7 +37,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 import pandas as pd
 
 from harness.config import JudgeConfig
-from harness.engines.openai_http import EndpointError, healthy, redact_url, scrub
+from harness.engines.openai_http import EndpointError, RateLimit, healthy, redact_url, retry_after, scrub
 from harness.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -154,42 +153,6 @@ def parse_verdict(text: Optional[str]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- the client
-class RateLimit:
-    """At most ``per_s`` request starts per second, shared by the threads that call :meth:`wait`."""
-
-    def __init__(self, per_s: Optional[float], clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep):
-        self.interval = 1.0 / float(per_s) if per_s else 0.0
-        self.clock, self.sleep = clock, sleep
-        self._next = 0.0
-        self._lock = threading.Lock()
-
-    def wait(self) -> None:
-        if not self.interval:
-            return
-        with self._lock:
-            now = self.clock()
-            start = max(now, self._next)
-            self._next = start + self.interval
-        if start > now:
-            self.sleep(start - now)
-
-
-def retry_after(value: Optional[str]) -> Optional[float]:
-    """Seconds from a Retry-After header (a number of seconds or an HTTP date); None when absent or unreadable."""
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, when.timestamp() - time.time())
-
-
 class JudgeClient:
     """``/v1/models`` and ``/v1/chat/completions`` of the judge's server; errors as one :class:`EndpointError` line."""
 

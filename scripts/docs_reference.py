@@ -103,6 +103,8 @@ SECTIONS: list[tuple[str, list[str]]] = [
     ("RuntimeConfig", ["runtime."]),
     ("PerfConfig", ["perf."]),
     ("PromptsConfig", ["prompts."]),
+    ("ReferenceConfig", ["reference."]),
+    ("JudgeConfig", ["judge."]),
 ]
 METHOD_SETTINGS_AFTER = "KVCacheQuantConfig"
 

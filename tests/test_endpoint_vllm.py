@@ -46,17 +46,22 @@ def vllm_command(model_dir: Path, name: str, max_len: int = 2048) -> str:
             f"--host 127.0.0.1 --port {{port}} --dtype float32 --max-model-len {max_len} --enforce-eager")
 
 
-@pytest.fixture(scope="module")
-def fp8_export(tmp_path_factory, shared_model_cache):
-    """The harness's FP8 W8A8 export of SmolLM2, as ``python -m harness.export`` writes it."""
+def harness_export(tmp_path_factory, shared_model_cache, scheme: str) -> Path:
+    """The harness's export of SmolLM2 under ``scheme``, as ``python -m harness.export`` writes it."""
     _engine()
     root = tmp_path_factory.mktemp("engine")
     (root / "cache").mkdir()
     os.symlink(shared_model_cache, root / "cache" / "models")
-    out = root / "fp8"
-    subprocess.run([sys.executable, "-m", "harness.export", "model=smollm2_135m", "quant=fp8", f"out={out}",
+    out = root / scheme
+    subprocess.run([sys.executable, "-m", "harness.export", "model=smollm2_135m", f"quant={scheme}", f"out={out}",
                     f"paths.cache_dir={root / 'cache'}"], check=True, cwd=REPO, capture_output=True)
     return out
+
+
+@pytest.fixture(scope="module")
+def fp8_export(tmp_path_factory, shared_model_cache):
+    """The harness's FP8 W8A8 export of SmolLM2."""
+    return harness_export(tmp_path_factory, shared_model_cache, "fp8")
 
 
 def _engine_processes(marker: Path) -> list[int]:

@@ -7,9 +7,6 @@ never exceeds the one-sided one. Slow (four server starts), skipped without .ven
 HARNESS_REQUIRE_SYSTEM_TESTS=1."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,21 +16,14 @@ import pytest
 from harness.config import to_config
 from harness.job import pipeline as run_mod
 from harness.models.loading import serving_directory
-from tests.test_endpoint_vllm import ENGINE_ENV, ITEMS, REPO, _engine, _engine_processes, vllm_command
+from tests.test_endpoint_vllm import ENGINE_ENV, ITEMS, _engine_processes, harness_export, vllm_command
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def int8_export(tmp_path_factory, shared_model_cache):
-    _engine()
-    root = tmp_path_factory.mktemp("staged")
-    (root / "cache").mkdir()
-    os.symlink(shared_model_cache, root / "cache" / "models")
-    out = root / "int8_w8a8"
-    subprocess.run([sys.executable, "-m", "harness.export", "model=smollm2_135m", "quant=int8_w8a8", f"out={out}",
-                    f"paths.cache_dir={root / 'cache'}"], check=True, cwd=REPO, capture_output=True)
-    return out
+    return harness_export(tmp_path_factory, shared_model_cache, "int8_w8a8")
 
 
 def _run(make_cfg, where: Path, *extra: str):

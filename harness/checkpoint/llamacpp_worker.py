@@ -7,8 +7,9 @@ stdin, one JSON answer line on stdout (``{"ok": true, ...}`` or ``{"ok": false, 
   ``source`` to ``out`` with ``llama_cpp.LLAMA_FTYPE_MOSTLY_<type>``;
 * ``tokenize``: the written file's vocabulary only (``vocab_only``), each text tokenized as the server
   tokenizes a completion prompt (special tokens parsed, BOS as the file's ``add_bos_token`` says);
-* ``logits``: full next-token log-probs of token-id texts (``logits_all``), written as float32 arrays to
-  an ``.npz``: llama.cpp's own distribution, for a KL the server's top-k cannot give.
+* ``logits``: full next-token log-probs of token-id texts (``logits_all``), one float32 ``text<i>.npy`` per text
+  in the ``out`` directory: llama.cpp's own distribution, for a KL the server's top-k cannot give (what
+  ``llama-perplexity --kl-divergence`` compares; the pip package does not build that binary).
 """
 from __future__ import annotations
 
@@ -49,15 +50,13 @@ def logits(request: dict) -> dict:
     n_ctx = max(len(ids) for ids in texts) + 8
     model = llama_cpp.Llama(model_path=str(request["model"]), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
                             logits_all=True, verbose=False, n_threads=int(request.get("threads") or 0) or None)
-    out = {}
     for index, ids in enumerate(texts):
         model.reset()
         model.eval(ids)
         scores = np.array(model.scores[:len(ids)], dtype=np.float64)
         shifted = scores - scores.max(axis=1, keepdims=True)
         logprobs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
-        out[f"text{index}"] = logprobs.astype(np.float32)
-    np.savez(str(request["out"]), **out)
+        np.save(f"{request['out']}/text{index}.npy", logprobs.astype(np.float32))  # row i: next-token after ids[i]
     return {"ok": True, "n": len(texts)}
 
 

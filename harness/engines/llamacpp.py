@@ -142,9 +142,13 @@ def echoed_logprobs(llama: LlamaCppClient, ids: list[int], k: int, tokenizer: An
     if values is None or tops is None or len(names) < len(positions):
         raise NoPromptLogprobs(f"the server returned {len(names)} echoed tokens for a {len(ids)}-token prompt "
                                f"(logprobs={k}): serve it with logits_all (llama_cpp.server's default)")
+    special = set(getattr(tokenizer, "all_special_ids", None) or []) | {
+        index for index, added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
+        if getattr(added, "special", False)}
     for entry, position in zip(names, positions):  # its layout, checked: entry j is the token at positions[j]
         expected = tokenizer.decode([ids[position]], skip_special_tokens=False)
-        if entry != expected and not ("\ufffd" in expected and entry in ("", expected.replace("\ufffd", ""))):
+        unrendered = ids[position] in special or "\ufffd" in expected  # a control token or part of a character
+        if entry != expected and not (unrendered and entry in ("", expected.replace("\ufffd", ""))):
             raise NoPromptLogprobs(f"{what}: the server's echoed tokens do not line up with the prompt's (position "
                                    f"{position}: {entry!r} vs {expected!r}); its log-probs cannot be read")
     target = np.full(len(ids) - 1, np.nan)
@@ -339,20 +343,29 @@ class LlamaCppMixin:
         """The echo's log-probs of each text (NaN at positions it gives none: the first and each BOS)."""
         assert self.client is not None
         llama, names = LlamaCppClient(self.client), TokenNames(tokenizer)
+        bos = getattr(tokenizer, "bos_token_id", None)
+        if texts and not any(ids and ids[0] == bos for ids in texts):
+            raise NoPromptLogprobs(NO_LEADING_BOS)
         start = time.perf_counter()
-        out, missing = [], 0
+        out, missing, unscored = [], 0, 0
         try:
             for ids in texts:
                 what = f"divergence text {_preview(tokenizer.decode(ids[:40], skip_special_tokens=False))!r}"
-                target, tops = echoed_logprobs(llama, list(ids), k, tokenizer, what)
+                if not ids or ids[0] != bos:  # e.g. a text cut from the left to divergence_max_tokens
+                    target, tops = np.full(max(0, len(ids) - 1), np.nan), [None] * max(0, len(ids) - 1)
+                    unscored += 1
+                else:
+                    target, tops = echoed_logprobs(llama, list(ids), k, tokenizer, what)
                 missing += int(np.isnan(target).sum())
                 out.append(served_logprobs(target, tops, k, names))
         finally:
             self.forced_seconds += time.perf_counter() - start
         self.forced_tokens += sum(len(ids) for ids in texts)
         if missing:
-            log.info("llama.cpp: %d positions of %d divergence texts have no echoed log-prob (the first scored "
-                     "position and BOS tokens) and are left out", missing, len(texts))
+            log.warning("llama.cpp: %d of %d divergence positions have no echoed log-prob and are left out (the "
+                        "first scored position and BOS tokens of each text%s)", missing,
+                        sum(max(0, len(ids) - 1) for ids in texts),
+                        f"; {unscored} texts without a leading BOS, e.g. cut from the left" if unscored else "")
         return out
 
 

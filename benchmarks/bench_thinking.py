@@ -29,12 +29,14 @@ sys.path.insert(0, str(REPO))
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 INSTRUCTION = ("You are a helpful AI assistant. First think step by step inside <think> and </think> tags, "
                "then write the final answer after </think>.")
+# --example: the instruction followed by one worked reply, the format shown once
+EXAMPLE = " For example, to 'Compute 2 + 3.' you reply: <think>2 plus 3 is 5.</think>5"
 # its generation prompt, which the variant follows with an opened trace (as DeepSeek-R1's template does)
 GENERATION_PROMPT = "{{ '<|im_start|>assistant\n' }}"
 RATES = ("closed", "unclosed", "cap_hit", "loop")
 
 
-def think_template(template: str) -> str:
+def think_template(template: str, example: bool = False) -> str:
     """SmolLM2's chat template with the thinking instruction as its default system prompt and the trace opened
     after the generation prompt (``<think>\\n``): told to, SmolLM2 never writes the tag itself (a 4-item trial),
     so the variant opens it, and what is measured is whether it closes it."""
@@ -42,10 +44,11 @@ def think_template(template: str) -> str:
         raise SystemExit("this tokenizer's chat template is not SmolLM2's (no default system prompt or generation "
                          "prompt to replace)")
     opened = GENERATION_PROMPT.replace("\n' }}", "\n<think>\n' }}")
-    return template.replace(DEFAULT_SYSTEM, INSTRUCTION).replace(GENERATION_PROMPT, opened)
+    instruction = INSTRUCTION + (EXAMPLE if example else "")
+    return template.replace(DEFAULT_SYSTEM, instruction).replace(GENERATION_PROMPT, opened)
 
 
-def patch_loading() -> None:
+def patch_loading(example: bool = False) -> None:
     """Every model the harness loads in this process gets the thinking template; its identity records it, so the
     reference cache and run keys never mix these runs with SmolLM2's own template."""
     from harness.models import loading
@@ -54,7 +57,7 @@ def patch_loading() -> None:
 
     def load(cfg, cache_dir):  # noqa: ANN001 - loading.load's own signature
         loaded = original(cfg, cache_dir)
-        loaded.tokenizer.chat_template = think_template(loaded.tokenizer.chat_template)
+        loaded.tokenizer.chat_template = think_template(loaded.tokenizer.chat_template, example)
         digest = hashlib.sha256(loaded.tokenizer.chat_template.encode()).hexdigest()[:16]
         loaded.identity = {**loaded.identity, "chat_template": digest}
         return loaded
@@ -93,9 +96,10 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=104, help="eval.thinking_budget (tokens added to 24)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/bench_thinking"))
     parser.add_argument("--tag", default="smollm2")
+    parser.add_argument("--example", action="store_true", help="show one worked reply in the system prompt")
     args = parser.parse_args()
     load_at_start = os.getloadavg()
-    patch_loading()
+    patch_loading(args.example)
     from harness.config import compose
     from harness.job.pipeline import run
 
@@ -112,7 +116,8 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip()
     record = {"date": datetime.date.today().isoformat(), "commit": commit, "machine": platform.platform(),
-              "cpus": os.cpu_count(), "load_at_start": load_at_start, "load_at_end": os.getloadavg(), "instruction": INSTRUCTION,
+              "cpus": os.cpu_count(), "load_at_start": load_at_start, "load_at_end": os.getloadavg(),
+              "instruction": INSTRUCTION + (EXAMPLE if args.example else ""), "trace_opened_by_template": True,
               "items": args.items, "budget": args.budget, "max_gen_toks": 24 + args.budget, "rows": rows}
     out = REPO / "benchmarks" / "results" / f"thinking_{args.tag}.json"
     out.write_text(json.dumps(record, indent=1) + "\n")

@@ -98,7 +98,8 @@ def main() -> None:
     rows = []
     for key, clusters, size, base, limit in DESIGNS:
         at_limit = simulate(key, clusters, size, base, limit, limit, args.runs, n_resamples=args.resamples)
-        unchanged = simulate(key, clusters, size, base, limit, 0.0, args.runs_unchanged, seed=1, n_resamples=args.resamples)
+        unchanged = simulate(key, clusters, size, base, limit, 0.0, args.runs_unchanged, seed=1,
+                             n_resamples=args.resamples)
         rows.append({"key": key, "clusters": clusters, "size": size, "base": base, "limit": limit,
                      "false_pass": at_limit["pass"], "pass_unchanged": unchanged["pass"]})
         print(json.dumps(rows[-1]), flush=True)

@@ -800,9 +800,9 @@ def section_thinking(check: Check, device: torch.device, work: Path) -> None:
     reference, candidate, tokenizer, real = _thinking_models(check, device, work)
     spec = thinking.ThinkingSpec(mode="tags")
     steps = 12 if check.options.dry_run else (384 if real else 64)
+    tiny = " (dry run: tiny)" if check.options.dry_run else ""
     check.line("INFO", "thinking/model", ("Qwen/Qwen3-0.6B (local weights)" if real else
-                                          f"random weights of Qwen3-0.6B's shape{' (dry run: tiny)' if check.options.dry_run else ''}, "
-                                          f"vocabulary {len(tokenizer)}") + f", bf16 on {device.type}; candidate "
+                                          f"random weights of Qwen3-0.6B's shape{tiny}, vocabulary {len(tokenizer)}") + f", bf16 on {device.type}; candidate "
                f"int4_g128 RTN; {steps} trace tokens; {time.perf_counter() - start:.1f} s")
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     if real:

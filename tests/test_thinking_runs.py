@@ -31,7 +31,8 @@ def _sweep(monkeypatch, tmp_path: Path, cache: Path, *overrides: str) -> list[tu
 
     monkeypatch.setattr(loading, "load", load)
     results = tmp_path / "results"
-    monkeypatch.setattr(sys, "argv", ["harness", "-m", "model=tiny_random", "model.chat_template=true", "slices=[math]", "slices.math.n_items=4",
+    monkeypatch.setattr(sys, "argv", ["harness", "-m", "model=tiny_random", "model.chat_template=true", "slices=[math]",
+                                      "slices.math.n_items=4",
                                       "slices.math.served_texts=4", "quant=int8", "runtime.reference_process=false",
                                       f"paths.results_dir={results}", f"paths.cache_dir={cache}",
                                       f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", "compare.n_resamples=1000",
@@ -97,8 +98,9 @@ def test_a_run_without_thinking_keeps_its_keys(make_cfg):
     from harness.config import to_config
     from harness.job.pipeline import run
 
-    summary = run(to_config(make_cfg("model=tiny_random", "model.chat_template=true", "slices=[math]", "slices.math.n_items=4", "quant=int8",
-                                     "eval.max_gen_toks=6", "runtime.reference_process=false")))
+    summary = run(to_config(make_cfg("model=tiny_random", "model.chat_template=true", "slices=[math]",
+                                     "slices.math.n_items=4", "quant=int8", "eval.max_gen_toks=6",
+                                     "runtime.reference_process=false")))
     keys = summary["metrics"]
     assert not [k for k in keys if "think_" in k or "_trace" in k or "_answer" in k]
     assert "math/kl_mean" in keys  # the headline KL is still measured on the served replies

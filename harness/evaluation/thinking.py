@@ -552,7 +552,8 @@ def markdown(metrics: dict[str, Any], slice_name: str) -> str:
     split = [(part, metrics.get(f"{slice_name}/kl_{part}_mean"), metrics.get(f"{slice_name}/top1_agree_{part}"),
               metrics.get(f"{slice_name}/n_tokens_{part}")) for part in (TRACE, ANSWER)]
     if any(kl is not None for _, kl, _, _ in split):
-        lines += ["", "| along the reference's replies | tokens | KL mean (nats) | top-1 agree % |", "|:--|--:|--:|--:|"]
+        lines += ["", "| along the reference's replies | tokens | KL mean (nats) | top-1 agree % |",
+                  "|:--|--:|--:|--:|"]
         lines += [f"| {part} | {int(n or 0)} | {'–' if kl is None else f'{kl:.4g}'} | "
                   f"{'–' if top1 is None else f'{100 * top1:.1f}'} |" for part, kl, top1, n in split]
     return "\n".join(lines) + "\n"

@@ -60,7 +60,10 @@ def test_two_vllm_servers_pair_as_a_served_candidate_against_the_in_process_refe
         key = ["slice", "text", "position"]
         ta, tb = ta.sort_values(key).reset_index(drop=True), tb.sort_values(key).reset_index(drop=True)
         # vLLM's fp32 forward against the in-process fp32 reference's, along the same tokens
-        assert np.abs(ta["nll_ref"] - tb["nll_ref"]).mean() < 0.02
-        assert (ta["kl"] <= tb["kl"] + 1e-6).mean() > 0.99  # fewer cells: never above (up to the two forwards)
+        # (measured: 1e-5 nats mean, 4e-5 at most)
+        assert np.abs(ta["nll_ref"] - tb["nll_ref"]).mean() < 1e-3
+        # fewer cells: never above, up to the two forwards' rounding (measured: 9 of 188 positions above, by at most
+        # 5e-6 nats, 0.07 % of their value)
+        assert (ta["kl"] <= tb["kl"] * 1.001 + 1e-5).all() and ta["kl"].mean() <= tb["kl"].mean()
     assert ta["kl"].mean() > 0  # INT8 W8A8 differs from its reference, and the bound sees it
     assert not _engine_processes(int8_export) and not _engine_processes(reference_dir)

@@ -43,9 +43,10 @@ class ServedProcess:
     """
 
     def __init__(self, command: str, log_path: Path, *, startup_timeout_s: float = 600.0,
-                 secret_env: str | None = None, env: dict[str, str] | None = None):
+                 secret_env: str | None = None, env: dict[str, str] | None = None, role: str = "candidate"):
+        self.role = role  # the side it serves, as messages name its setting: <role>.serve
         if "{port}" not in command:
-            raise EndpointError(f"candidate.serve={command!r} has no {{port}}: the harness picks a free loopback "
+            raise EndpointError(f"{role}.serve={command!r} has no {{port}}: the harness picks a free loopback "
                                 "port and puts it there, e.g. 'vllm serve <dir> --host 127.0.0.1 --port {port}'")
         self.port = free_port()
         self.argv = shlex.split(command.replace("{port}", str(self.port)))
@@ -83,7 +84,7 @@ class ServedProcess:
             self.process = subprocess.Popen(self.argv, stdout=handle, stderr=subprocess.STDOUT, env=self.env,
                                             stdin=subprocess.DEVNULL, start_new_session=True)
         except OSError as exc:
-            raise EndpointError(f"cannot start candidate.serve ({self.argv[0]}: {exc.strerror}); check the "
+            raise EndpointError(f"cannot start {self.role}.serve ({self.argv[0]}: {exc.strerror}); check the "
                                 "command's first word is an executable (e.g. .venv-engine/bin/vllm)") from None
         finally:
             handle.close()
@@ -92,13 +93,13 @@ class ServedProcess:
         while time.monotonic() < deadline:
             ended = self.exit_line()
             if ended:
-                raise EndpointError(f"candidate.serve did not come up: {ended}")
+                raise EndpointError(f"{self.role}.serve did not come up: {ended}")
             if healthy(self.url):
-                log.info("candidate server up on %s (pid %d, log %s)", self.url, self.process.pid, self.log_path)
+                log.info("%s server up on %s (pid %d, log %s)", self.role, self.url, self.process.pid, self.log_path)
                 return self
             time.sleep(1.0)
         self.stop()
-        raise EndpointError(f"candidate.serve was not healthy after {self.startup_timeout_s:.0f} s; last log lines: "
+        raise EndpointError(f"{self.role}.serve was not healthy after {self.startup_timeout_s:.0f} s; last log lines: "
                             f"{self.tail()}")
 
     def stop(self) -> None:
@@ -154,6 +155,7 @@ class VLLMServe(OpenAIEndpoint):
 
     def start(self) -> VLLMServe:
         """Start the server, wait until it is healthy, then connect (stopping it again when that fails)."""
+        self.process.role = self.role
         self.process.start()
         try:
             super().start()

@@ -21,7 +21,7 @@ import pandas as pd
 
 from harness import cli
 from harness.config import JudgeConfig
-from harness.engines.openai_http import EndpointError, redact_url
+from harness.engines.openai_http import redact_url
 from harness.errors import UsageError, UserError
 from harness.evaluation import judge_client as judge, judge_stats
 
@@ -47,11 +47,8 @@ def judge_client(cfg: JudgeConfig, log_dir: Path) -> Iterator[judge.JudgeClient]
         from harness.engines.vllm_serve import ServedProcess
 
         process = ServedProcess(str(cfg.serve), Path(log_dir) / "judge_serve.log",
-                                startup_timeout_s=float(cfg.serve_startup_s), secret_env=cfg.api_key_env)
-        try:
-            process.start()
-        except EndpointError as exc:  # its lines name candidate.serve, the setting they were first written for
-            raise EndpointError(str(exc).replace("candidate.serve", "judge.serve")) from None
+                                startup_timeout_s=float(cfg.serve_startup_s), secret_env=cfg.api_key_env, role="judge")
+        process.start()
     try:
         client = judge.JudgeClient(process.url if process else str(cfg.endpoint), cfg, server=process)
         client.connect()

@@ -107,3 +107,26 @@ def test_a_change_at_the_limit_rarely_passes(bench, key, limit):
     thinking metrics and the criterion are the pipeline's and the gate's own."""
     shares = bench.simulate(key, 32, 3, 0.2, limit, limit, runs=200, seed=11, n_resamples=1000)
     assert shares["pass"] <= 0.05, shares
+
+
+def test_the_trace_ratio_interval_agrees_with_the_paired_cluster_bootstrap():
+    """ratio_interval (delta method on the log ratio over cluster totals, t on G - 1) against an independent
+    method on the same data: the paired cluster bootstrap's percentile interval (harness.stats.ratio_of_means),
+    on 300 clusters where both should be close; and NaN where the ratio has no interval."""
+    import numpy as np
+
+    from harness.evaluation.thinking import ratio_interval
+    from harness.stats.paired import ratio_of_means
+
+    rng = np.random.default_rng(4)
+    clusters = np.repeat(np.arange(300), 3)
+    ref = np.repeat(rng.lognormal(0, 0.5, 300), 3) * rng.gamma(4.0, 60.0, 900)
+    cand = ref * 1.15 * rng.lognormal(-0.08, 0.4, 900)
+    ratio, low, high = ratio_interval(ref, cand, clusters)
+    boot, boot_low, boot_high = ratio_of_means(ref, cand, clusters, n_resamples=4000, seed=2)
+    assert ratio == pytest.approx(cand.sum() / ref.sum()) == pytest.approx(boot)
+    width = boot_high - boot_low
+    assert low == pytest.approx(boot_low, abs=0.1 * width) and high == pytest.approx(boot_high, abs=0.1 * width)
+    assert low < ratio < high and ratio / low == pytest.approx(high / ratio)  # symmetric on the log scale
+    assert all(np.isnan(ratio_interval(ref[:3], cand[:3], clusters[:3])[1:]))  # one cluster
+    assert np.isnan(ratio_interval(np.zeros(6), cand[:6], clusters[:6])[0])  # no reference tokens

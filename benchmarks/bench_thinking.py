@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -30,7 +32,7 @@ DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Huggin
 INSTRUCTION = ("You are a helpful AI assistant. First think step by step inside <think> and </think> tags, "
                "then write the final answer after </think>.")
 # --example: the instruction followed by one worked reply, the format shown once
-EXAMPLE = " For example, to 'Compute 2 + 3.' you reply: <think>2 plus 3 is 5.</think>5"
+EXAMPLE = " For example, to: Compute 2 + 3. you reply: <think>2 plus 3 is 5.</think>5"  # no quotes: a Jinja string
 # its generation prompt, which the variant follows with an opened trace (as DeepSeek-R1's template does)
 GENERATION_PROMPT = "{{ '<|im_start|>assistant\n' }}"
 RATES = ("closed", "unclosed", "cap_hit", "loop")
@@ -89,6 +91,28 @@ def row(summary: dict, seconds: float) -> dict:
     return out
 
 
+def rescore(work: Path, tag: str) -> None:
+    """Recompute each finished run's trace statistics from its thinking.parquet with the code as it is now (a run
+    measured before an interval changed keeps its replies; only the statistics are redone) into the JSON."""
+    from harness.evaluation.thinking import thinking_metrics
+
+    out = REPO / "benchmarks" / "results" / f"thinking_{tag}.json"
+    record = json.loads(out.read_text())
+    for summary_path in sorted((work / "results").glob("*/summary.json")):
+        scheme = json.loads(summary_path.read_text())["scheme"]
+        metrics = thinking_metrics(pd.read_parquet(summary_path.parent / "thinking.parquet"))
+        for row_ in record["rows"]:
+            if row_["scheme"] == scheme:
+                row_["tokens_ratio"] = _interval(metrics, "math/think_tokens_ratio")
+                for rate in RATES:
+                    if rate != "closed":
+                        row_[f"{rate}_delta"] = _interval(metrics, f"math/think_{rate}_delta")
+    record["rescored"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                                        text=True).stdout.strip()
+    out.write_text(json.dumps(record, indent=1, default=float) + "\n")
+    print(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schemes", nargs="+", default=["int8", "int4_g128"])
@@ -97,7 +121,11 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/bench_thinking"))
     parser.add_argument("--tag", default="smollm2")
     parser.add_argument("--example", action="store_true", help="show one worked reply in the system prompt")
+    parser.add_argument("--rescore", action="store_true", help="only redo the statistics of the finished runs")
     args = parser.parse_args()
+    if args.rescore:
+        rescore(args.work, args.tag)
+        return
     load_at_start = os.getloadavg()
     patch_loading(args.example)
     from harness.config import compose

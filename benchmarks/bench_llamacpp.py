@@ -3,7 +3,7 @@
 1. Exports (``python -m harness.export format=gguf``): the reference's own weights as F32, and each ``types``
    (default Q8_0, Q4_K_M) by llama.cpp's quantizer.
 2. One job per type: ``quant=external candidate.serve='<llama_cpp.server --model X.gguf ...>'`` on ``slices``
-   (default: the quick slices; ``overrides`` narrow them), the reference in this process as always; its summary
+   (default math and structured, ``served_texts`` served texts each), the reference in this process; its summary
    gives the paired table (Δ accuracy with its interval, flips, KL lower bound, top-1 agreement).
 3. Serving speed (:func:`harness.engines.perf.measure_pair`): each type's GGUF against the F32 GGUF on the same
    server command, at concurrency 1 and 8, on the first job's generation prompts.
@@ -15,7 +15,7 @@
    computes both sides), plus torch reference vs llama.cpp F32 (the engine floor).
 
     python benchmarks/bench_llamacpp.py [work=/tmp/bench_llamacpp] [types=[Q8_0,Q4_K_M]] \\
-        [overrides=[slices=[math,structured]]] [perf=true] [kl_texts=4]
+        [slices=[math,structured]] [served_texts=8] [threads=1] [perf=true] [kl_texts=4]
 
 Writes ``benchmarks/results/llamacpp.json``; docs/benchmarks/llamacpp.md reports it.
 """
@@ -45,7 +45,9 @@ LLAMACPP_PYTHON = REPO / ".venv-llamacpp" / "bin" / "python"
 class Options:
     work: str = field(default="/tmp/bench_llamacpp", metadata={"help": "exports, results, logs"})
     types: list[str] = field(default_factory=lambda: ["Q8_0", "Q4_K_M"], metadata={"help": "GGUF types served"})
-    overrides: list[str] = field(default_factory=list, metadata={"help": "job overrides, e.g. slices=[math]"})
+    slices: list[str] = field(default_factory=lambda: ["math", "structured"], metadata={"help": "slices of the jobs"})
+    served_texts: int = field(default=8, metadata={"help": "served texts per slice for the token divergence (0: all; "
+                                                          "llama.cpp's echo costs ~85 ms per token at 49k vocab)"})
     n_ctx: int = field(default=8192, metadata={"help": "llama.cpp context (the model's max_length)"})
     threads: int = field(default=2, metadata={"help": "llama.cpp threads"})
     perf: bool = field(default=True, metadata={"help": "measure serving speed"})
@@ -78,12 +80,20 @@ def job(work: Path, kind: str, gguf: Path, options: Options) -> dict:
         start = time.perf_counter()
         subprocess.run([sys.executable, "-m", "harness", "model=smollm2_135m", "quant=external",
                         f"candidate.serve='{serve_command(gguf, options)}'", f"paths.results_dir={results}",
-                        f"tracking.uri=sqlite:///{work / 'mlflow.db'}", *options.overrides], cwd=REPO, check=True)
+                        f"tracking.uri=sqlite:///{work / 'mlflow.db'}", *overrides(options)], cwd=REPO, check=True)
         print(f"[bench] {kind} job {time.perf_counter() - start:.0f} s", flush=True)
         found = sorted(results.glob("*/summary.json"))
     summary = json.loads(found[-1].read_text())
     summary["_dir"] = str(found[-1].parent)
     return summary
+
+
+def overrides(options: Options) -> list[str]:
+    """The jobs' slice overrides: the slices, each with its number of served texts."""
+    out = [f"slices=[{','.join(options.slices)}]"]
+    if options.served_texts:
+        out += [f"slices.{name}.served_texts={options.served_texts}" for name in options.slices]
+    return out
 
 
 def _interval(metrics: dict, stem: str) -> list[Any]:
@@ -230,6 +240,10 @@ def _body(parsed: cli.Parsed[Options]) -> int:
         print(f"[bench] KL: {json.dumps(record['kl_three_way']['overall'])}", flush=True)
     if options.perf:
         record["perf"] = speed(first, ggufs, options, work)
+    previous = json.loads(Path(options.out).read_text()) if Path(options.out).exists() else {}
+    for part in ("kl_three_way", "perf"):  # a part skipped this time keeps the last measurement, dated
+        if part not in record and part in previous:
+            record[part] = {**previous[part], "measured": previous.get("date"), "commit": previous.get("commit")}
     record["load_after"] = os.getloadavg()
     record["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                                       text=True).stdout.strip()

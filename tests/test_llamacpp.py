@@ -7,7 +7,8 @@ llama exported to GGUF by ``python -m harness.export format=gguf`` and quantized
   positions left out are exactly the first and the BOS ones; the top-k partition KL of F32 < Q8_0 < Q4_0 (more
   bits, less error), against the same torch reference;
 * a job with the Q8_0 file as ``candidate.serve`` answers and pairs every item (generation and multiple choice)
-  and measures the token divergence as the top-k bound;
+  and measures the token divergence as the top-k bound; on the F32 file (the reference's own weights on llama.cpp)
+  every greedy reply is the reference's;
 * prompts without a leading BOS (``model.chat_template=false``): generation items are answered and the divergence
   is replaced by one line saying why; a multiple-choice item ends the job in one line.
 
@@ -167,6 +168,14 @@ def test_a_q8_0_candidate_on_llamacpp_answers_and_pairs_every_item(ggufs, make_c
     assert len(tokens) and (tokens["kl_bound"] == "topk_partition").all() and tokens["kl"].notna().all()
     assert tokens["kl"].mean() > 0  # quantized: the served distribution differs from the reference's
     assert "math/kl_lower_bound_mean" in result["metrics"]
+
+
+def test_the_references_own_weights_on_llamacpp_reply_as_the_reference(ggufs, make_cfg, tmp_path):
+    # greedy on both sides (the server's default repeat_penalty 1.1 would change a random model's repetitive replies)
+    paths, _, _ = ggufs
+    run_mod.run(_job(make_cfg, paths["F32"], "model.chat_template=true", "candidate.endpoint_divergence_topk=0"))
+    items = pd.read_parquet(_results(tmp_path) / "items.parquet")
+    assert len(items) == 3 and (items["response_quant"] == items["response_ref"]).all()
 
 
 def test_prompts_without_a_leading_bos_say_what_is_missing_in_one_line(ggufs, make_cfg, tmp_path):

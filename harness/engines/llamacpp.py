@@ -27,8 +27,10 @@ are made, because llama-cpp-python's server (0.3.x) differs from vLLM's:
   sorts the whole vocabulary per position in Python, so scoring costs ~10 ms per prompt token;
 * no ``/health`` and no context length in ``/v1/models``: the context is the serve command's ``--n_ctx``
   (2048 when not given), the harness's ``max_model_len``;
-* generation: greedy (``temperature=0``), the task's stop strings, ``finish_reason`` ``stop``/``length``; the
-  reply is the server's text (no echo: an echo with log-probs would sort the vocabulary per prompt token).
+* generation: ``temperature=0`` is greedy only with ``repeat_penalty=1.0``: the server's default is 1.1, applied
+  before the greedy pick (measured on SmolLM2 Q8_0: it changed the digits of arithmetic answers), so every
+  request sends ``repeat_penalty=1.0`` and no frequency/presence penalty; the task's stop strings; the reply is
+  the server's text (no echo: an echo with log-probs would sort the vocabulary per prompt token).
   Requests are served one at a time (the server holds one model behind a lock), so
   ``candidate.endpoint_concurrency`` > 1 queues them rather than batching.
 """
@@ -296,7 +298,9 @@ def _llamacpp_lm_class() -> type:
             reference, _, _ = reference_prompt(self, context, self.max_length - max_gen_toks)
             self._fits(len(reference) + max_gen_toks, what)
             text = self._timed_call(self.llama.text_of, reference, self.tokenizer, what)
-            body = dict(prompt=text, max_tokens=max_gen_toks, temperature=0, stop=[s for s in until if s])
+            # temperature 0 is greedy only without penalties: the server's default repeat_penalty is 1.1
+            body = dict(prompt=text, max_tokens=max_gen_toks, temperature=0, stop=[s for s in until if s],
+                        repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0)
             return body, reference, until, what
 
         def _record(self, context: str, gen_kwargs: dict, request: tuple, answer: dict) -> str:

@@ -254,9 +254,11 @@ def test_the_rate_limit_holds_against_a_real_server(serve, tmp_path):
     lengths = [(3, 9), (9, 3), (4, 5), (6, 2)]
     judge.run_judge(_config(serve(script), max_requests_per_s=10.0, concurrency=4), _items(lengths), {},
                     log_dir=tmp_path)
-    gaps = np.diff(sorted(script.arrivals))
-    assert len(script.arrivals) == 8
-    assert gaps.min() >= 0.1 - 0.02  # at most 10 starts per second, 4 threads or not
+    arrivals = sorted(script.arrivals)
+    assert len(arrivals) == 8
+    # at most 10 starts per second, 4 threads or not: 8 requests span at least 7 x 100 ms (less the jitter between a
+    # start and its arrival at the two ends; one gap alone can shrink by it); unpaced they arrive within a few ms
+    assert arrivals[-1] - arrivals[0] >= 0.7 - 0.05
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -468,6 +468,22 @@ METRIC_DOCS: dict[str, tuple[str, str]] = {
     "metrics/<slice>/think_identical_rate": ("fraction", "share of items whose two traces are identical"),
     "metrics/<slice>/think_first_departure_mean": ("tokens", "mean token index where the candidate's trace first "
                                                    "departs from the reference's (items whose traces differ)"),
+    "metrics/<slice>/n_tokens_trace": ("tokens", "trace positions scored along the reference's replies (through the "
+                                       "end tag; an unclosed reply: all of it); model.thinking on"),
+    "metrics/<slice>/kl_trace_mean": ("nats per token", "mean KL(ref || quant) on trace positions"),
+    "metrics/<slice>/kl_trace_se": ("nats per token", "standard error of kl_trace_mean (tokens independent)"),
+    "metrics/<slice>/kl_trace_p99": ("nats", "99th percentile of the KL on trace positions"),
+    "metrics/<slice>/top1_agree_trace": ("fraction", "top-1 agreement on trace positions"),
+    "metrics/<slice>/ln_ppl_ratio_trace": ("nats per token", "mean log PPL ratio (quant / ref) on trace positions"),
+    "metrics/<slice>/ppl_ratio_trace": ("ratio", "PPL ratio (quant / ref) on trace positions"),
+    "metrics/<slice>/n_tokens_answer": ("tokens", "answer positions scored along the reference's replies (after the "
+                                        "end tag; a reply with no trace: all of it); model.thinking on"),
+    "metrics/<slice>/kl_answer_mean": ("nats per token", "mean KL(ref || quant) on answer positions"),
+    "metrics/<slice>/kl_answer_se": ("nats per token", "standard error of kl_answer_mean (tokens independent)"),
+    "metrics/<slice>/kl_answer_p99": ("nats", "99th percentile of the KL on answer positions"),
+    "metrics/<slice>/top1_agree_answer": ("fraction", "top-1 agreement on answer positions"),
+    "metrics/<slice>/ln_ppl_ratio_answer": ("nats per token", "mean log PPL ratio (quant / ref) on answer positions"),
+    "metrics/<slice>/ppl_ratio_answer": ("ratio", "PPL ratio (quant / ref) on answer positions"),
 }
 
 

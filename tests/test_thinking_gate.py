@@ -50,6 +50,13 @@ def test_each_key_is_read_off_its_interval():
     assert found["code", "thinking_unclosed"].outcome == "inconclusive"
     assert "12 items" in found["code", "thinking_unclosed"].message
     assert not any(s == "other" for s, _ in found)
+    # 96 items in 10 clusters: the trace_ratio interval is within the limit, but a pass needs gate.min_clusters_pass
+    few = thinking_criteria(_run({**METRICS, "math/think_n_clusters": 10.0}), cfg, ["math"])
+    ratio = next(c for c in few if c.criterion == "thinking_trace_ratio")
+    assert ratio.outcome == "inconclusive" and "needs 20 clusters" in ratio.message
+    lenient = thinking_criteria(_run({**METRICS, "math/think_n_clusters": 10.0}),
+                                GateConfig(thinking={"trace_ratio": 0.2}, min_clusters_pass=0), ["math"])
+    assert lenient[0].outcome == "pass"
 
 
 def test_bad_limits_and_non_thinking_runs_are_refused_in_one_line():
@@ -100,12 +107,13 @@ def test_the_simulated_frame_worsens_by_the_limit(bench):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("key, limit", [("unclosed", 0.05), ("trace_ratio", 0.2)])
-def test_a_change_at_the_limit_rarely_passes(bench, key, limit):
+@pytest.mark.parametrize("key, limit, runs", [("unclosed", 0.05, 200), ("trace_ratio", 0.2, 2000)])
+def test_a_change_at_the_limit_rarely_passes(bench, key, limit, runs):
     """Measured, not assumed: 96 items in 32 clusters of 3 (a quick slice's size) worsening by exactly the limit
-    pass in at most 5 % of 200 simulated runs (the 95 % interval's one-sided error is 2.5 % nominal); the
-    thinking metrics and the criterion are the pipeline's and the gate's own."""
-    shares = bench.simulate(key, 32, 3, 0.2, limit, limit, runs=200, seed=11, n_resamples=1000)
+    pass in at most gate.alpha = 5 % of the simulated runs (the 95 % interval's one-sided error is 2.5 % nominal;
+    the trace ratio's measured 3.8 % at 3,000 runs, the percentile bootstrap's 7.0 % at 200, which this would
+    catch); the thinking statistics and the criterion are the pipeline's and the gate's own."""
+    shares = bench.simulate(key, 32, 3, 0.2, limit, limit, runs=runs, seed=11, n_resamples=1000)
     assert shares["pass"] <= 0.05, shares
 
 

@@ -443,10 +443,17 @@ def thinking_criteria(run: RunResults, cfg: GateConfig, slices: list[str]) -> li
             outcome = PASS if hi <= limit else FAIL if lo > limit else INCONCLUSIVE
             shown = f"{100 * change:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}] {unit}"
             what = "trace tokens" if key == "trace_ratio" else f"{key} rate"
+            reasons = [] if outcome == PASS else [f"{what} increase {shown} vs {100 * limit:.1f} {unit}"]
+            clusters = metrics.get(f"{name}/think_n_clusters")
+            if outcome == PASS and clusters is not None and clusters < n and clusters < cfg.min_clusters_pass:
+                outcome = INCONCLUSIVE  # as for accuracy: with few clusters the interval passes too often
+                reasons = [f"within the limit, but a pass needs {cfg.min_clusters_pass} clusters "
+                           f"(gate.min_clusters_pass; {int(clusters)} of {int(n)} items here)"]
             out.append(Criterion(name, criterion, outcome,
-                                 f"{outcome}: {what} increase {shown}, allowed at most {100 * limit:.1f} {unit}",
-                                 [] if outcome == PASS else [f"{what} increase {shown} vs {100 * limit:.1f} {unit}"],
-                                 {"change": change, "ci_low": lo, "ci_high": hi, "limit": limit, "n": n}))
+                                 f"{outcome}: {what} increase {shown}, allowed at most {100 * limit:.1f} {unit}"
+                                 + ("; " + reasons[0] if outcome == INCONCLUSIVE and reasons else ""), reasons,
+                                 {"change": change, "ci_low": lo, "ci_high": hi, "limit": limit, "n": n,
+                                  "clusters": clusters}))
     return out
 
 

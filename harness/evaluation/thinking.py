@@ -396,6 +396,7 @@ def thinking_metrics(frame: pd.DataFrame, *, ci_level: float = 0.95, n_resamples
         codes = cluster_codes(part["cluster"].astype(str).to_numpy(), len(part))
         prefix = f"{name}/think_"
         out[f"{prefix}n"] = float(len(part))
+        out[f"{prefix}n_clusters"] = float(part["cluster"].astype(str).nunique())
         for what in ("cap_hit", "unclosed", "closed", "loop"):
             columns = {side: (part[f"loop_period_{side}"] > 0).astype(float) if what == "loop"
                        else part[f"{what}_{side}"].astype(float) for side in SIDES}
@@ -446,6 +447,8 @@ FRACTION_PT = "fraction (tables: points)"
 # summary.json keys this module adds (scripts/docs_reference.py's METRICS format: key -> (unit, meaning))
 METRIC_DOCS: dict[str, tuple[str, str]] = {
     "metrics/<slice>/think_n": ("items", "generation items whose traces are compared (model.thinking on)"),
+    "metrics/<slice>/think_n_clusters": ("clusters", "clusters of those items (gate.thinking passes a slice of "
+                                         "multi-item clusters only with gate.min_clusters_pass of them)"),
     "metrics/<slice>/think_cap_hit_<side>": ("fraction", "share of replies that reached their token cap "
                                              "(task max_gen_toks + eval.thinking_budget); <side> ref or quant"),
     "metrics/<slice>/think_unclosed_<side>": ("fraction", "share of replies whose trace never closed (scored wrong)"),

@@ -84,8 +84,8 @@ def toy_engines(monkeypatch):
 
 
 def test_an_unknown_engine_is_refused_in_one_line_naming_the_registered_ones(make_cfg):
-    with pytest.raises(UserError, match=r"no serving engine is registered as 'tgi'; registered: openai, vllm, "
-                                        r"vllm-serve$") as err:
+    with pytest.raises(UserError, match=r"no serving engine is registered as 'tgi'; registered: llamacpp, "
+                                        r"llamacpp-serve, openai, vllm, vllm-serve$") as err:
         engines.get_engine("tgi")
     assert "\n" not in str(err.value)
     with pytest.raises(UserError, match=r"'openai' is a served engine.*in-process engines: vllm$"):

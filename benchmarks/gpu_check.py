@@ -57,6 +57,10 @@ and writes every measurement to ``out`` (JSON). Exit status 1 when any check FAI
   of its shape (28 layers, 1024 wide; SmolLM2's 49,152-id vocabulary) with replies closed or left open by
   construction: ``split`` (states and answer boundaries as built), ``kl_split`` (KL along trace and answer
   positions: finite, > 0, the trace mean equal to one computed from the positions built), ``trace_stats``.
+- ``prompts``: a prompt log of 10,000 distinct chat prompts (the packaged example log's rows, each numbered) through
+  the whole job on ``tiny_random`` in bf16 on the device (:func:`section_prompts`): every prompt paired and its
+  gold-free outcomes computed (FAIL unless all 10,000 are), the evaluate stage's seconds per 100 prompts reported.
+  The mechanics at scale on a random-weight model, not a quality claim.
 - ``e2e``: the whole harness on ``tiny_random`` in bf16 on CUDA: RTN int4, GPTQ with
   ``model.device=cuda`` and with ``cuda:0`` (FAIL unless both run and agree exactly), an FP8 KV
   cache, and the null scheme (FAIL unless KL is exactly 0).
@@ -880,6 +884,50 @@ def section_thinking(check: Check, device: torch.device, work: Path) -> None:
         torch.cuda.empty_cache()
 
 
+def prompt_log_of(size: int, path: Path) -> Path:
+    """A chat JSONL of ``size`` distinct prompts: the packaged example log's rows in turn, each numbered (its id,
+    group and last user turn), so none is a duplicate."""
+    from harness.config import SLICES_DIR
+
+    rows = [json.loads(line) for line in (SLICES_DIR / "prompts" / "example_log.jsonl").read_text().splitlines()
+            if line.strip()]
+    with path.open("w") as out:
+        for i in range(size):
+            row = copy.deepcopy(rows[i % len(rows)])
+            row["id"] = f"{row.get('id', 'row')}-{i}"
+            row["group"] = f"{row.get('group', row['id'])}-{i // len(rows)}"
+            row["messages"][-1]["content"] += f" (request {i})"
+            row.pop("reference_reply", None)
+            out.write(json.dumps(row) + "\n")
+    return path
+
+
+def section_prompts(check: Check, device: str, work: Path) -> None:
+    from harness.config import compose
+    from harness.job import pipeline as run_mod
+
+    size = 24 if check.options.dry_run else 10_000
+    log_path = prompt_log_of(size, work / "prompts.jsonl")
+    (work / "cache").mkdir(parents=True, exist_ok=True)
+    models_cache = Path("~/.cache/quant-harness/models").expanduser()
+    if models_cache.is_dir() and not (work / "cache" / "models").exists():
+        (work / "cache" / "models").symlink_to(models_cache)
+    start = time.perf_counter()
+    result = run_mod.run(compose([
+        "model=tiny_random", "model.dtype=bfloat16", f"model.device={device}", "quant=int4_g128", "slices=prompts",
+        f"prompts.path={log_path}", "prompts.max_tokens=" + ("8" if check.options.dry_run else "32"),
+        "tracking.enabled=false", "force=true", "compare.n_resamples=1000", f"paths.cache_dir={work / 'cache'}",
+        f"paths.results_dir={work / 'results' / 'prompts'}"]))
+    metrics = result["metrics"]
+    paired = int(metrics.get("prompts/po_n", 0))
+    evaluate_s = float(result["timings"].get("evaluate", float("nan")))
+    ok = paired == size and math.isfinite(metrics.get("prompts/kl_mean", float("nan")))
+    check.line("PASS" if ok else "FAIL", "prompts/scale",
+               f"{paired} of {size} prompts paired in {time.perf_counter() - start:.0f} s; evaluate "
+               f"{100 * evaluate_s / max(paired, 1):.1f} s per 100 prompts; KL {metrics.get('prompts/kl_mean'):.4g}",
+               "every prompt paired, KL finite")
+
+
 def section_parity(check: Check, device: str, work: Path) -> None:
     """``python -m harness.parity`` with a GPU's vLLM: fp8 simulated in bf16 against its export served by vLLM, and the
     reference served by vLLM (the engine-noise floor), on the tiny model's math items. Needs vllm importable in this
@@ -972,6 +1020,7 @@ def body(parsed: cli.Parsed[Options]) -> int:
         check.step("one_prefill", lambda: section_one_prefill(check, device, shape))
         check.step("moe", lambda: section_moe(check, device))
         check.step("thinking", lambda: section_thinking(check, device, work))
+        check.step("prompts", lambda: section_prompts(check, device_name, work))
         check.step("e2e", lambda: section_e2e(check, device_name, work))
         check.step("parity", lambda: section_parity(check, device_name, work))
         check.step("serving_speed", lambda: section_serving_speed(check, device_name, work))

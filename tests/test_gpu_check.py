@@ -30,7 +30,7 @@ def test_dry_run_runs_every_section(gpu_check, tmp_path):
     assert {"env", "8b/prefill", "8b/decode", "schemes/none", "schemes/gptq_w4g128", "schemes/kv4",
             "formats/nvfp4", "formats/fp8_block", "fp8_gemm/q_proj", "fp8_gemm/down_proj", "fp8_gemm/model",
             "generation/greedy == generate",
-            "moe/build", "moe/quantize", "moe/decode",
+            "moe/build", "moe/quantize", "moe/decode", "prompts/scale", "thinking/kl_split", "thinking/trace_stats",
             "e2e/none@cpu", "e2e/gptq_w4g128@cpu", "e2e/kv8@cpu", "parity",
             "total"} <= names
     kl = {r["check"]: r.get("kl") for r in rows}

@@ -192,7 +192,11 @@ def three_way_kl(summary: dict, ggufs: dict[str, Path], options: Options, work: 
     return {"texts": len(ids), "positions": n, "overall": overall.to_dict(), "se_positions": se.to_dict(),
             "by_slice": by_slice.reset_index().to_dict(orient="records"),
             "bound_over_exact": float(overall["bound"] / overall["exact_ref_vs_q8"]),
-            "bound_never_above_exact": bool((table["bound"] <= table["exact_ref_vs_q8"] + 1e-9).all())}
+            "bound_never_above_exact": bool((table["bound"] <= table["exact_ref_vs_q8"] + 1e-9).all()),
+            "bound_above_exact_share": float((table["bound"] > table["exact_ref_vs_q8"]).mean()),
+            "bound_above_exact_max": float((table["bound"] - table["exact_ref_vs_q8"]).max()),
+            "bound_above_exact_sum_share": float((table["bound"] - table["exact_ref_vs_q8"]).clip(lower=0).sum()
+                                                 / table["exact_ref_vs_q8"].sum())}
 
 
 # ------------------------------------------------------------------------------ speed

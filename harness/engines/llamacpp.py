@@ -21,8 +21,9 @@ are made, because llama-cpp-python's server (0.3.x) differs from vLLM's:
   A prompt without a leading BOS (e.g. ``model.chat_template=false`` with a tokenizer that adds no BOS) cannot
   be scored: log-likelihood items are refused in one line at the first one, and the token divergence is
   replaced by one line that says why (accuracy and flips only);
-* ``top_logprobs`` are keyed by each token's text (no ids), the top-k of the full distribution plus the
-  actual token: a text is read as the one reference id that decodes to it (others are dropped cells), so
+* ``top_logprobs`` are keyed by each token's text (no ids, bytes of a partial character dropped, one value per
+  text), the top-k of the full distribution plus the actual token: a text is read as the one reference id that
+  renders to it (:class:`RenderedNames`; a text several ids render to is no cell), so
   the KL is the same top-k partition lower bound as vLLM's (:mod:`harness.divergence.topk_bound`); the server
   sorts the whole vocabulary per position in Python, so scoring costs ~10 ms per prompt token;
 * no ``/health`` and no context length in ``/v1/models``: the context is the serve command's ``--n_ctx``
@@ -160,6 +161,26 @@ def echoed_logprobs(llama: LlamaCppClient, ids: list[int], k: int, tokenizer: An
             target[position - 1] = float(values[j])
             top[position - 1] = tops[j]
     return target, top
+
+
+class RenderedNames(TokenNames):
+    """A llama-cpp-python ``top_logprobs`` key read as one reference id, or None.
+
+    The server renders each token's bytes with ``decode("utf-8", errors="ignore")``, so a token holding part of a
+    character loses those bytes (``" \xe2"`` renders as ``" "``), and its dictionary keeps one value per text:
+    the last of the tokens that render alike. A key is read as an id only when exactly one token of the
+    reference's vocabulary renders to it; a shared key is no cell (measured on SmolLM2: the cell ``" "`` carried
+    another token's log-prob, 5 nats off, and the bound exceeded the exact KL).
+    """
+
+    def id(self, name: str) -> int | None:
+        if self._by_text is None:
+            by_text: dict[str, int | None] = {}
+            for token in range(len(self.tokenizer)):
+                text = self.tokenizer.decode([token], skip_special_tokens=False).replace("\ufffd", "")
+                by_text[text] = None if text in by_text else token
+            self._by_text = by_text
+        return self._by_text.get(name)
 
 
 def served_logprobs(target: np.ndarray, tops: list[dict | None], k: int, names: TokenNames) -> ServedLogprobs:
@@ -346,7 +367,7 @@ class LlamaCppMixin:
     def prompt_logprobs(self, texts: list[list[int]], k: int, tokenizer: Any) -> list[ServedLogprobs]:
         """The echo's log-probs of each text (NaN at positions it gives none: the first and each BOS)."""
         assert self.client is not None
-        llama, names = LlamaCppClient(self.client), TokenNames(tokenizer)
+        llama, names = LlamaCppClient(self.client), RenderedNames(tokenizer)
         bos = getattr(tokenizer, "bos_token_id", None)
         if texts and not any(ids and ids[0] == bos for ids in texts):
             raise NoPromptLogprobs(NO_LEADING_BOS)

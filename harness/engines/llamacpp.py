@@ -173,6 +173,10 @@ class RenderedNames(TokenNames):
     another token's log-prob, 5 nats off, and the bound exceeded the exact KL).
     """
 
+    def render(self, token: int) -> str:
+        """The text the server shows for ``token``."""
+        return self.tokenizer.decode([token], skip_special_tokens=False).replace("\ufffd", "")
+
     def id(self, name: str) -> int | None:
         if self._by_text is None:
             by_text: dict[str, int | None] = {}
@@ -183,15 +187,20 @@ class RenderedNames(TokenNames):
         return self._by_text.get(name)
 
 
-def served_logprobs(target: np.ndarray, tops: list[dict | None], k: int, names: TokenNames) -> ServedLogprobs:
-    """:class:`ServedLogprobs` of one text: the top dictionaries' texts read as reference ids (-1: no cell)."""
+def served_logprobs(target: np.ndarray, tops: list[dict | None], k: int, names: RenderedNames,
+                    actual: list[int] | None = None) -> ServedLogprobs:
+    """:class:`ServedLogprobs` of one text: the top dictionaries' texts read as reference ids (-1: no cell).
+
+    ``actual[row]``: the token at that position; the key the server wrote it under holds its log-prob (the
+    server writes the actual token last), so that key is read as it even when other tokens render alike."""
     width = max([len(t) for t in tops if t] + [1])
     top_ids = np.full((len(tops), width), -1, dtype=np.int64)
     top_values = np.full((len(tops), width), np.nan)
     for row, top in enumerate(tops):
         column = 0
+        mine = names.render(actual[row]) if actual is not None and top else None
         for name, value in (top or {}).items():
-            token = names.id(str(name))
+            token = actual[row] if actual is not None and str(name) == mine else names.id(str(name))
             if token is None or value is None or token in top_ids[row, :column]:
                 continue
             top_ids[row, column], top_values[row, column] = token, float(value)
@@ -382,7 +391,7 @@ class LlamaCppMixin:
                 else:
                     target, tops = echoed_logprobs(llama, list(ids), k, tokenizer, what)
                 missing += int(np.isnan(target).sum())
-                out.append(served_logprobs(target, tops, k, names))
+                out.append(served_logprobs(target, tops, k, names, list(ids[1:])))
         finally:
             self.forced_seconds += time.perf_counter() - start
         self.forced_tokens += sum(len(ids) for ids in texts)

@@ -406,14 +406,14 @@ class ReferenceConfig:
     items over its OpenAI-compatible server, beside a served candidate (``candidate.endpoint``/``candidate.serve``),
     in place of the reference computed in this process from ``model=``. Unset: the reference runs in process."""
 
-    endpoint: Optional[str] = None  # a running server's base URL, e.g. http://127.0.0.1:8001 (no credentials in it)
-    serve: Optional[str] = None  # or a command the harness starts on a free loopback port, with {port} in it
-    endpoint_model: Optional[str] = None  # the served model's id; None: the server's only model
-    endpoint_api_key_env: Optional[str] = None  # NAME of the environment variable holding the API key, never the key
-    endpoint_timeout_s: float = 600.0  # one request; a server silent for longer counts as hung
-    endpoint_batch_size: int = 8  # prompts per log-likelihood request
+    endpoint: Optional[str] = None  # the deployed reference's base URL, e.g. http://127.0.0.1:8001 (no credentials)
+    serve: Optional[str] = None  # or a command that serves the reference, started on a free loopback port ({port})
+    endpoint_model: Optional[str] = None  # the reference server's model id; None: its only model
+    endpoint_api_key_env: Optional[str] = None  # NAME of the variable holding the reference server's key (never the key)
+    endpoint_timeout_s: float = 600.0  # one request to the reference server; silent for longer: hung
+    endpoint_batch_size: int = 8  # prompts per log-likelihood request to the reference server
     endpoint_concurrency: int = 1  # generation requests in flight at once
-    endpoint_max_requests_per_s: Optional[float] = None  # the server's rate limit, requests started per second (null: none)
+    endpoint_max_requests_per_s: Optional[float] = None  # requests started per second at most (the reference's limit)
     # log-probs asked per position along the reference's replies and gold texts; with both sides served, KL is taken
     # on the partition of tokens in both sides' top-k plus the rest: a lower bound of the exact KL
     endpoint_divergence_topk: int = 20
@@ -427,7 +427,7 @@ class JudgeConfig:
     judge.endpoint or judge.serve is set."""
 
     endpoint: Optional[str] = None  # the judge server's base URL (no credentials in it)
-    serve: Optional[str] = None  # or a command the harness starts on a free loopback port, with {port} in it
+    serve: Optional[str] = None  # or a command that serves the judge, started on a free loopback port ({port})
     model: Optional[str] = None  # the judge model's id; None: the server's only model
     api_key_env: Optional[str] = None  # NAME of the environment variable holding the judge's API key, never the key
     slices: list[str] = field(default_factory=lambda: ["prompts"])  # slices whose replies are judged

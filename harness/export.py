@@ -4,6 +4,16 @@ quantized by llama.cpp's own quantizer (:mod:`harness.checkpoint.export_gguf`)."
 from __future__ import annotations
 
 import sys
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:
+    """``TOOL``: the compressed-tensors export's (its ``--help``); ``format=gguf`` has its own
+    (:data:`harness.checkpoint.export_gguf.TOOL`)."""
+    if name == "TOOL":
+        from harness.checkpoint.export import TOOL
+        return TOOL
+    raise AttributeError(name)
 
 
 def main(argv: list[str] | None = None) -> int:

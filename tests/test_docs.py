@@ -12,6 +12,7 @@ parses, a snippet that no longer runs or a README that grows a lab notebook agai
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import re
 import shlex
@@ -252,7 +253,11 @@ def test_every_documented_command_composes_or_parses():
                 for job in jobs:
                     compose(job)
             else:
-                tool = GEN.tool_of(module.split(".", 1)[1])
+                name = module.split(".", 1)[1]
+                tool = GEN.tool_of(name)
+                for variant, face in GEN.TOOL_VARIANTS.get(name, []):  # e.g. harness.export format=gguf
+                    if variant in argv:
+                        tool = importlib.import_module(face).TOOL
                 parsed = cli.parse(tool, [a for a in argv if a not in ("--help", "-h")])
                 if tool.run_config:
                     jobs = _sweep(parsed.overrides) if parsed.flags else [parsed.overrides]

@@ -6,7 +6,7 @@ clusters fall in ``strata`` use cases. A cluster draws its own win / tie / loss 
 on the true rates with concentration ``kappa`` (2: strongly alike prompts within a conversation; 20: nearly
 independent), so the true loss − win over the population is exactly the limit. Each prompt then draws its outcome.
 The run goes through the harness's own code: :func:`harness.evaluation.judge_stats.judge_metrics` (the clustered,
-stratified paired score interval at compare.ci_level 0.95) and :func:`harness.decision.judge_criteria.judge_outcome`
+stratified paired score interval at compare.ci_level 0.95) and :func:`harness.decision.criteria.judge_outcome`
 (pass when the interval's upper end is at or below the limit). A 95 % two-sided interval puts 2.5 % nominally above
 its upper end, so the false-pass rate should be near 2.5 %. Each row also gives the pass rate of a candidate 10 points
 better than the limit (the gate's power there).
@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from harness.decision.judge_criteria import judge_outcome
+from harness.decision.criteria import judge_outcome
 from harness.evaluation.judge_stats import judge_metrics
 
 PASS = "pass"

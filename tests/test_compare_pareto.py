@@ -18,6 +18,7 @@ from harness.compare.render.tables import speed_findings, speed_text_table
 from harness.compare.render.terminal import terminal_table
 from harness.compare.speed import pareto_front
 from harness.engines import perf
+from harness.sizing import measured
 from harness.quant.report import QuantReport
 from harness.sizing.ledger import DEFAULT_GPUS, GPU_BANDWIDTH, decode_floor_metrics, decode_floor_table
 
@@ -170,7 +171,7 @@ def test_predicted_beside_measured_against_a_hand_computation():
                                                         "memory and 3.1 seconds\n"),
                      "reference": perf.server_log_facts(CPU_LOG)}
     result["device"] = "NVIDIA H200"
-    rows = {r["side"]: r for r in perf.predicted_vs_measured(result, _ledger_summary())}
+    rows = {r["side"]: r for r in measured.predicted_vs_measured(result, _ledger_summary())}
     cand, ref = rows["candidate"], rows["reference"]
     assert cand["predicted_weight_gb"] == pytest.approx(1.225)
     assert ref["predicted_weight_gb"] == pytest.approx(2.0)  # 1e9 parameters in BF16
@@ -184,10 +185,10 @@ def test_predicted_beside_measured_against_a_hand_computation():
     assert cand["measured_tpot_ms"] == pytest.approx(0.5) and cand["tpot_concurrency"] == 1
     assert cand["decode_ratio"] == pytest.approx(0.5 / ((weight - gathered) / 4.8e12 * 1e3))
     # a device given as NAME:memory_GB:bandwidth_TBps; a CPU gets no floor and the table says why
-    custom = {r["side"]: r for r in perf.predicted_vs_measured(result, _ledger_summary(), "L40S:48:0.864")}
+    custom = {r["side"]: r for r in measured.predicted_vs_measured(result, _ledger_summary(), "L40S:48:0.864")}
     assert custom["candidate"]["predicted_floor_ms"] == pytest.approx((weight - gathered) / 0.864e12 * 1e3)
     result["device"] = "cpu"
-    cpu = perf.predicted_vs_measured(result, _ledger_summary())
+    cpu = measured.predicted_vs_measured(result, _ledger_summary())
     assert math.isnan(cpu[0]["predicted_floor_ms"])
     assert "has no bandwidth in the ledger" in perf.predicted_markdown(cpu)
 
@@ -200,7 +201,7 @@ def test_measured_figures_reach_perf_md_mlflow_metrics_and_the_comparison(tmp_pa
     run_dir = tmp_path / "sim"
     run_dir.mkdir()
     (run_dir / "summary.json").write_text(json.dumps(_ledger_summary()))
-    perf.describe_run(result, run_dir)
+    measured.describe_run(result, run_dir)
     assert result["scheme"] == "int8" and result["run"] == str(run_dir.resolve())
     flat = perf.flat_metrics(result)
     assert flat["perf/log/candidate/checkpoint_gib"] == 0.21 and flat["perf/log/reference/kv_cache_tokens"] == 23296
@@ -211,9 +212,9 @@ def test_measured_figures_reach_perf_md_mlflow_metrics_and_the_comparison(tmp_pa
     run.summary = {**run.summary, **_ledger_summary()}
     run.perf = result
     report = analyse([run], CompareOptions(n_resamples=200, out=str(tmp_path / "out")))
-    measured = report.measured.set_index("side")
-    assert measured.loc["candidate", "gpu"] == "H100"
-    assert measured.loc["reference", "weight_ratio"] == pytest.approx(0.21 * 2**30 / 1e9 / 2.0)
+    shown = report.measured.set_index("side")
+    assert shown.loc["candidate", "gpu"] == "H100"
+    assert shown.loc["reference", "weight_ratio"] == pytest.approx(0.21 * 2**30 / 1e9 / 2.0)
     md = write_report(report, tmp_path / "out")["markdown"].read_text()
     assert "## Predicted against measured (memory and decode speed)" in md
     assert "0.225 (checkpoint size)" in md and "0.50 (1 in flight)" in md

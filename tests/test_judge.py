@@ -377,7 +377,7 @@ def test_gate_criterion_reads_the_interval_against_the_limit(tmp_path):
     from harness.config import GateConfig
     from harness.decision.criteria import FAIL, INCONCLUSIVE, PASS
     from harness.decision.gate_inputs import RunResults
-    from harness.decision.judge_criteria import judge_criteria
+    from harness.decision.criteria import judge_criteria
 
     def run(value: float, low: float, high: float, decided: int = 100) -> RunResults:
         metrics = {"prompts/judge_n": decided, "prompts/judge_decided": decided, "prompts/judge_unparsable": 0,

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from harness.decision.judge_criteria import judge_outcome
+from harness.decision.criteria import judge_outcome
 from harness.evaluation.judge_stats import judge_metrics
 
 pytestmark = pytest.mark.slow

@@ -99,6 +99,9 @@ def test_a_capped_run_has_its_own_keys_and_an_uncapped_one_keeps_its_old_ones(ma
         config["model"].pop(key)
     for served_only in ("endpoint_divergence_topk", "endpoint_concurrency"):  # keyed only for served candidates
         config["candidate"].pop(served_only)
+    config["candidate"].pop("endpoint_max_requests_per_s")  # a rate limit is in no key
+    for section in ("reference", "judge"):  # keyed only when a served reference or a judge is set
+        config.pop(section)
     for transient in identity.TRANSIENT_SECTIONS:
         config.pop(transient, None)
     config["quant"] = identity.keyed_quant(base.quant, config["quant"])  # the settings' layout from before

@@ -576,7 +576,16 @@ def _body(parsed: cli.Parsed[ExportOptions]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli.main(TOOL, _body, argv)
+    """``python -m harness.export``: this module's compressed-tensors export, or with ``format=gguf`` the reference
+    as a GGUF for llama.cpp (:mod:`harness.checkpoint.export_gguf`, its own options)."""
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "format=gguf" in args:
+        from harness.checkpoint.export_gguf import main as gguf_main
+
+        return gguf_main(args)
+    return cli.main(TOOL, _body, args)
 
 
 if __name__ == "__main__":

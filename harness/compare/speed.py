@@ -126,7 +126,7 @@ def measured_table(runs: Sequence[RunData], device: str | None = None) -> pd.Dat
     """Per run with perf and side: the ledger's predicted weight memory and decode floor beside the engine's log's
     weight memory and the measured time per output token, with both ratios
     (:func:`harness.engines.perf.predicted_vs_measured`, on ``device`` or the one perf.json names)."""
-    from harness.engines.perf import predicted_vs_measured
+    from harness.sizing.measured import predicted_vs_measured
 
     rows = []
     for run in runs:

@@ -24,6 +24,13 @@ import numpy as np
 import pandas as pd
 from numpy.typing import ArrayLike
 
+
+# Columns of the other token kinds beside a slice's headline (``kl_mean`` etc.), ``{kind}`` = plain / prompt, or a
+# thinking reply's trace / answer (harness.evaluation.thinking.kl_split_metrics)
+SIDE_COLUMNS = {"n_tokens": "n_tokens_{kind}", "kl_mean": "kl_{kind}_mean", "kl_se": "kl_{kind}_se",
+                "kl_p99": "kl_{kind}_p99", "top1_agree": "top1_agree_{kind}", "ln_ppl_ratio": "ln_ppl_ratio_{kind}",
+                "ppl_ratio": "ppl_ratio_{kind}"}
+
 __all__ = ["PERCENTILES", "TOKEN_COLUMNS", "position_buckets", "summarize_by", "summarize_divergence"]
 
 PERCENTILES: tuple[float, ...] = (99.9, 99.0, 95.0, 90.0, 50.0, 10.0, 5.0, 1.0, 0.1)

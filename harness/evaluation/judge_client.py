@@ -7,7 +7,7 @@ the prompt log), the judge sees the conversation as the user saw it and the two 
 then with the candidate's first (:data:`SYSTEM`, :func:`judge_messages`). It answers one word, A, B or tie
 (:func:`parse_verdict`: anything else is unparsable, counted, never guessed). Identical replies are a tie and the
 judge is not asked. The verdicts become win / tie / loss per item and their statistics in
-:mod:`harness.evaluation.judge_stats`; the gate reads ``gate.judge_loss_max`` (:mod:`harness.decision.judge_criteria`).
+:mod:`harness.evaluation.judge_stats`; the gate reads ``gate.judge_loss_max`` (:func:`harness.decision.criteria.judge_criteria`).
 
 Requests: ``/v1/chat/completions``, greedy, ``judge.max_tokens``; ``judge.concurrency`` in flight, at most
 ``judge.max_requests_per_s`` started per second; HTTP 429 and 503 are retried after the server's Retry-After (else

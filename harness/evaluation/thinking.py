@@ -544,10 +544,10 @@ def kl_split_metrics(tokens: pd.DataFrame, texts: dict[str, list[Any]], spec: Th
                      decode: Callable[[list[int]], str]) -> dict[str, float]:
     """``<slice>/kl_trace_mean``, ``kl_answer_mean``, ``top1_agree_trace``, ... (and ``overall/``): the divergence
     along the reference's own replies, apart for the trace's positions and the answer's (:func:`reply_parts`);
-    the names of :data:`harness.results.summary.SIDE_COLUMNS` with kind trace / answer. Nothing when thinking is
+    the names of :data:`harness.divergence.token_stats.SIDE_COLUMNS` with kind trace / answer. Nothing when thinking is
     off or the run scored no served replies."""
     from harness.divergence import token_stats
-    from harness.results.summary import SIDE_COLUMNS
+    from harness.divergence.token_stats import SIDE_COLUMNS
 
     labelled = reply_parts(tokens, texts, spec, decode)
     out: dict[str, float] = {}

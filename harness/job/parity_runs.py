@@ -198,13 +198,14 @@ def run_perf(overrides: list[str], command: str, out: Path, simulation: Path, cf
     """Serving speed of the export against the reference's own weights on the engine ``command`` starts, on the
     simulation run's generation prompts (:func:`harness.engines.perf.measure_pair`); ``perf.json``, ``perf.md``."""
     from harness.engines import perf
+    from harness.sizing import measured
     from harness.models.loading import serving_directory
 
     export = _export(overrides, cfg.quant.name, out)
     prompts = perf.prompts_from_run(simulation, cfg.perf.n_prompts)
     result = perf.measure_pair(command, export.resolve(), serving_directory(cfg.model, cfg.paths.cache_dir),
                                prompts, cfg.perf, out)
-    perf.describe_run(result, simulation)  # the run it measured, and the ledger's prediction beside the measurement
+    measured.describe_run(result, simulation)  # the run it measured, and the ledger's prediction beside the measurement
     line = perf.headline(result, f"{cfg.quant.name} (served)")
     result["headline"] = line
     result["metrics"] = perf.flat_metrics(result)

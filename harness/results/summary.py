@@ -117,10 +117,7 @@ def paired_statistics(items: pd.DataFrame, cfg: CompareConfig) -> pd.DataFrame:
     return table
 
 
-# Columns of the other token kinds beside a slice's headline (``kl_mean`` etc.), ``{kind}`` = plain / prompt.
-SIDE_COLUMNS = {"n_tokens": "n_tokens_{kind}", "kl_mean": "kl_{kind}_mean", "kl_se": "kl_{kind}_se",
-                "kl_p99": "kl_{kind}_p99", "top1_agree": "top1_agree_{kind}", "ln_ppl_ratio": "ln_ppl_ratio_{kind}",
-                "ppl_ratio": "ppl_ratio_{kind}"}
+SIDE_COLUMNS = token_stats.SIDE_COLUMNS  # the other token kinds' columns beside a slice's headline
 
 
 def headline_tokens(tokens: pd.DataFrame) -> pd.DataFrame:

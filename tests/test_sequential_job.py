@@ -197,6 +197,9 @@ def test_run_key_is_unchanged_by_the_option_off_and_covers_the_stop_rule_on(make
         config["eval"].pop(key)
     for served_only in ("endpoint_divergence_topk", "endpoint_concurrency"):  # keyed only for served candidates
         config["candidate"].pop(served_only)
+    config["candidate"].pop("endpoint_max_requests_per_s")  # a rate limit is in no key
+    for section in ("reference", "judge"):  # keyed only when a served reference or a judge is set
+        config.pop(section)
     for thinking_only in identity.THINKING_MODEL_FIELDS:  # keyed only for a model that thinks
         config["model"].pop(thinking_only, None)
     config["eval"].pop("thinking_budget")

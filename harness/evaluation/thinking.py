@@ -314,18 +314,12 @@ def ratio_interval(ref: np.ndarray, cand: np.ndarray, clusters: Any, ci_level: f
     (nominal 2.5 %), and at most 4.4 % with this one (benchmarks/bench_thinking_gate.py)."""
     from scipy.stats import t as student_t
 
-    from harness.stats.paired import cluster_codes
+    from harness.stats.paired import cluster_sums
 
-    ref, cand = np.asarray(ref, dtype=float), np.asarray(cand, dtype=float)
-    if ref.size == 0 or ref.sum() <= 0:
-        return math.nan, math.nan, math.nan
-    estimate = float(cand.sum() / ref.sum())
-    codes = cluster_codes(clusters, ref.size)
-    groups = int(codes.max()) + 1
-    if groups < 2 or cand.sum() <= 0:
+    estimate, ref_sums, cand_sums = cluster_sums(ref, cand, clusters)
+    if ref_sums is None or cand_sums is None or cand_sums.sum() <= 0:
         return estimate, math.nan, math.nan
-    ref_sums = np.bincount(codes, weights=ref, minlength=groups)
-    cand_sums = np.bincount(codes, weights=cand, minlength=groups)
+    groups = len(ref_sums)
     share = cand_sums / cand_sums.sum() - ref_sums / ref_sums.sum()  # each cluster's term of d log(ratio)
     se = math.sqrt(groups / (groups - 1) * float(np.sum(share ** 2)))
     half = float(student_t.ppf(0.5 + ci_level / 2, groups - 1)) * se

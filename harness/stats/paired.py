@@ -548,22 +548,31 @@ def compare_frame(
     return frame
 
 
+def cluster_sums(ref: Any, cand: Any, clusters: Any) -> tuple[float, np.ndarray | None, np.ndarray | None]:
+    """(sum(cand) / sum(ref), each cluster's sum of ref, of cand): what a paired ratio of means and its interval are
+    made of; the sums are None where the ratio is undefined (no reference mass) or there is one cluster only."""
+    ref, cand = np.asarray(ref, dtype=float), np.asarray(cand, dtype=float)
+    if ref.size == 0 or ref.sum() <= 0:
+        return math.nan, None, None
+    estimate = float(cand.sum() / ref.sum())
+    codes = cluster_codes(clusters, ref.size)
+    groups = int(codes.max()) + 1
+    if groups < 2:
+        return estimate, None, None
+    return (estimate, np.bincount(codes, weights=ref, minlength=groups),
+            np.bincount(codes, weights=cand, minlength=groups))
+
+
 def ratio_of_means(ref: np.ndarray, cand: np.ndarray, clusters: Any, *, n_resamples: int = 2000,
                    ci_level: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
     """(sum(cand) / sum(ref), percentile interval of a paired cluster bootstrap); NaN where undefined.
 
     Whole clusters are drawn with replacement, the same draw for both sides (the pairing), and the ratio of
     the drawn sums is taken each time."""
-    ref, cand = np.asarray(ref, dtype=float), np.asarray(cand, dtype=float)
-    if ref.size == 0 or ref.sum() <= 0:
-        return math.nan, math.nan, math.nan
-    estimate = float(cand.sum() / ref.sum())
-    codes = cluster_codes(clusters, ref.size)
-    groups = int(codes.max()) + 1
-    if groups < 2:
+    estimate, ref_sums, cand_sums = cluster_sums(ref, cand, clusters)
+    if ref_sums is None or cand_sums is None:
         return estimate, math.nan, math.nan
-    ref_sums = np.bincount(codes, weights=ref, minlength=groups)
-    cand_sums = np.bincount(codes, weights=cand, minlength=groups)
+    groups = len(ref_sums)
     rng = np.random.default_rng(seed)
     picks = rng.integers(0, groups, size=(n_resamples, groups))
     counts = np.zeros((n_resamples, groups))

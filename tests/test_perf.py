@@ -132,12 +132,13 @@ class _Scripted(BaseHTTPRequestHandler):
             time.sleep(self.d0 if k == 0 else self.d1)
             self.wfile.write(f"data: {json.dumps({'choices': [{'index': 0, 'text': f' t{k}'}]})}\n\n".encode())
             self.wfile.flush()
-        usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": tokens}}
-        self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
-        self.wfile.flush()
+        # counted before the stream ends (the client may scrape /metrics the moment it reads [DONE])
         counts = type(self).counts
         counts["requests"] += 1
         counts["tokens"] += tokens
+        usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": tokens}}
+        self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        self.wfile.flush()
         self.close_connection = True
 
 

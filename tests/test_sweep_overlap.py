@@ -95,7 +95,9 @@ def same_numbers(found: dict, expected: dict) -> None:
 
 
 def test_second_job_evaluates_while_the_first_computes_the_reference(tmp_path, cache_dir):
-    first, second = start_pair(tmp_path, cache_dir, "▶ evaluate")
+    # held until the second job has chosen to evaluate its slice without the reference ("▶ evaluate" alone
+    # comes before that choice: a fast first job could finish in between, and nothing would be deferred)
+    first, second = start_pair(tmp_path, cache_dir, "evaluated before its reference is ready")
     for proc, log in ((first, "first.log"), (second, "second.log")):
         assert proc.wait(timeout=900) == 0, (tmp_path / log).read_text()[-4000:]
     # the first job's reference was still unfinished when the second job's evaluation began

@@ -477,6 +477,9 @@ def evaluate_slices(loaded: models.LoadedModel, job: Job, references: dict[str, 
         remaining.remove(slice_)
         if reference is not None and slice_.name not in references:
             waited[slice_.name] = reference
+        if reference is None:
+            log.info("slice %s: evaluated before its reference is ready (another job is computing it); "
+                     "its replies are teacher-forced in the divergence stage", slice_.name)
         checkpoint = job.checkpoint / slice_.name
         restored[slice_.name] = evaluate.checkpoint_rows(checkpoint)
         teacher = None if reference is None else teacher_replies(slice_, reference.records, loaded.tokenizer, spec)

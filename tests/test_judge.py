@@ -22,7 +22,7 @@ import pandas as pd
 import pytest
 
 from harness.config import JudgeConfig
-from harness.engines.openai_http import EndpointError
+from harness.engines.openai_http import EndpointError, RateLimit
 from harness.evaluation import judge, judge_client, judge_stats
 from harness.evaluation.judge_client import JudgeClient, JudgeConfigError, check_config, parse_verdict
 
@@ -235,7 +235,8 @@ def test_a_server_that_keeps_answering_429_ends_in_one_line(serve):
     url = serve(script)
     client = JudgeClient(url, _config(url), sleep=lambda s: None)
     client.connect()
-    with pytest.raises(EndpointError, match=r"still HTTP 429 after 5 retries .* judge.max_requests_per_s"):
+    with pytest.raises(EndpointError, match=r"judge endpoint .*still HTTP 429 after 5 retries: lower "
+                                            r"judge\.max_requests_per_s or judge\.concurrency"):
         client.chat(judge_client.judge_messages("User: hi", "a", "bb"))
     assert script.refused == judge_client.RETRIES + 1
 
@@ -243,7 +244,7 @@ def test_a_server_that_keeps_answering_429_ends_in_one_line(serve):
 def test_the_rate_limit_spaces_request_starts():
     now = [0.0]
     slept: list[float] = []
-    limit = judge_client.RateLimit(4.0, clock=lambda: now[0], sleep=slept.append)
+    limit = RateLimit(4.0, clock=lambda: now[0], sleep=slept.append)
     for _ in range(4):
         limit.wait()
     assert slept == pytest.approx([0.25, 0.5, 0.75])  # four starts at 0, 0.25, 0.5, 0.75 s

@@ -9,6 +9,7 @@ environment variable ``api_key_env`` names at each request and is only ever put 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from harness.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 class EndpointError(UserError, RuntimeError):
@@ -80,9 +83,18 @@ class EndpointSpec:
     max_requests_per_s: float | None = None  # requests started per second at most (the server's rate limit)
     role: str = "candidate"  # which side the server answers for, as messages and config keys name it
     retries_429: int = 6  # HTTP 429 (rate limited) answers waited out before the run ends
+    # the config keys' prefix in messages (``judge.`` for the judge's server); None: ``<role>.endpoint_``
+    settings: str | None = None
+    retried: tuple[int, ...] = (429,)  # the statuses waited out (the judge also waits out 503, overloaded)
+    resumes: bool = True  # a failure's line says the answers so far are kept (the judge's verdicts are not)
+
+    @property
+    def prefix(self) -> str:
+        """How the config names this server's settings: ``candidate.endpoint_`` + ``timeout_s``, ``judge.`` + ..."""
+        return self.settings if self.settings is not None else f"{self.role}.endpoint_"
 
 
-RETRY_AFTER_MAX_S = 60.0  # the longest wait one 429 answer's Retry-After is granted
+RETRY_AFTER_MAX_S = 120.0  # the longest wait one 429 answer's Retry-After is granted
 
 
 def redact_url(url: str) -> str:
@@ -117,24 +129,26 @@ class Server(Protocol):
 
 
 class Client:
-    """``/v1/models`` and ``/v1/completions`` over HTTP (standard library only), errors as one line."""
+    """``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions`` over HTTP (standard library only), errors
+    as one line. Thread-safe: one client serves every request thread of an engine (or of the judge)."""
 
-    def __init__(self, spec: EndpointSpec, server: Server | None = None):
-        self.spec, self.server = spec, server
+    def __init__(self, spec: EndpointSpec, server: Server | None = None, sleep: Any = time.sleep):
+        self.spec, self.server, self.sleep = spec, server, sleep
         self.base = _v1(spec.url)
         self.model = spec.model
         self.served: dict | None = None  # the served model's /v1/models entry, once connected
         self.requests = 0
-        self.rate_limited = 0  # 429 answers waited out
-        self.limit = RateLimit(spec.max_requests_per_s)  # max_requests_per_s, shared by every thread
+        self.rate_limited = 0  # answers in spec.retried (429, ...) waited out
+        self.limit = RateLimit(spec.max_requests_per_s, sleep=sleep)  # max_requests_per_s, shared by every thread
+        self._count = threading.Lock()
 
     def _headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
         if self.spec.api_key_env:
             key = os.environ.get(self.spec.api_key_env)
             if not key:
-                raise EndpointError(f"{self.spec.role}.endpoint_api_key_env={self.spec.api_key_env}: that environment "
-                                    "variable is not set; export it with the server's API key")
+                raise EndpointError(f"{self.spec.prefix}api_key_env={self.spec.api_key_env}: that environment "
+                                    f"variable is not set; export it with the {self.spec.role} server's API key")
             headers["Authorization"] = f"Bearer {key}"
         return headers
 
@@ -142,30 +156,37 @@ class Client:
         ended = self.server.exit_line() if self.server else None
         where = redact_url(self.base)
         tail = f"; last log lines: {self.server.tail()}" if self.server and not ended else ""
-        text = f"{self.spec.role} endpoint {where}: {ended or what}{tail}. Items answered so far are kept: the same " \
-               "command resumes from them"
+        text = f"{self.spec.role} endpoint {where}: {ended or what}{tail}"
+        if self.spec.resumes:
+            text += ". Items answered so far are kept: the same command resumes from them"
         return EndpointError(scrub(text.replace("\n", " "), self.spec.api_key_env))
 
     def call(self, path: str, body: dict | None = None) -> dict:
-        """One request; a 429 (rate limited) is waited out (its Retry-After, else 1, 2, 4 ... s) up to
-        ``retries_429`` times, every other failure ends the run in one line."""
-        for attempt in range(self.spec.retries_429 + 1):
+        """One request; an answer in ``spec.retried`` (429: rate limited) is waited out (its Retry-After, else
+        1, 2, 4 ... s) up to ``retries_429`` times, every other failure ends the run in one line."""
+        retries = self.spec.retries_429
+        for attempt in range(retries + 1):
             try:
-                return self._call_once(path, body)
+                return self._call_once(path, body, last=attempt == retries)
             except EndpointError as error:
-                if error.http_status != 429 or attempt == self.spec.retries_429:
+                if error.http_status not in self.spec.retried or attempt == retries:
                     raise
-                self.rate_limited += 1
-                time.sleep(min(error.retry_after if error.retry_after is not None else 2.0 ** attempt,
-                               RETRY_AFTER_MAX_S))
+                wait = min(error.retry_after if error.retry_after is not None else 2.0 ** attempt,
+                           RETRY_AFTER_MAX_S)
+                log.info("%s endpoint answered HTTP %d; retrying in %.1f s", self.spec.role, error.http_status, wait)
+                with self._count:
+                    self.rate_limited += 1
+                self.sleep(wait)
         raise AssertionError("unreachable")
 
-    def _call_once(self, path: str, body: dict | None) -> dict:
+    def _call_once(self, path: str, body: dict | None, last: bool = True) -> dict:
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(self.base + path, data=data, headers=self._headers(),
                                          method="GET" if body is None else "POST")
         self.limit.wait()
-        self.requests += 1
+        with self._count:
+            self.requests += 1
+        settings = self.spec.prefix
         try:
             with urllib.request.urlopen(request, timeout=self.spec.timeout_s) as response:
                 return json.loads(response.read())
@@ -175,17 +196,16 @@ class Client:
                 detail = json.loads(detail).get("error", {}).get("message", detail) if detail else detail
             except (ValueError, AttributeError):
                 pass
-            hint = f" (a wrong or missing API key: set {self.spec.role}.endpoint_api_key_env)" \
-                if exc.code in (401, 403) else \
-                f" (rate limited {self.spec.retries_429 + 1} times in a row: lower {self.spec.role}." \
-                "endpoint_max_requests_per_s or endpoint_concurrency)" if exc.code == 429 else ""
+            hint = f" (a wrong or missing API key: set {settings}api_key_env)" if exc.code in (401, 403) else \
+                f" (still HTTP {exc.code} after {self.spec.retries_429} retries: lower {settings}max_requests_per_s " \
+                f"or {settings}concurrency)" if exc.code in self.spec.retried and last else ""
             error = self._fail(f"HTTP {exc.code} on {path}{hint}: {detail}")
             error.http_status, error.detail = exc.code, scrub(str(detail), self.spec.api_key_env)
             error.retry_after = retry_after(exc.headers.get("Retry-After") if exc.headers else None)
             raise error from None
         except (TimeoutError, socket.timeout):
             raise self._fail(f"no reply to {path} within {self.spec.timeout_s:.0f} s (a hung server; "
-                             f"{self.spec.role}.endpoint_timeout_s sets the limit)") from None
+                             f"{settings}timeout_s sets the limit)") from None
         except urllib.error.URLError as exc:
             reason = getattr(exc.reason, "strerror", None) or str(exc.reason)
             raise self._fail(f"cannot reach the server ({reason}); check the URL and that it is serving") from None
@@ -202,10 +222,10 @@ class Client:
         if self.model is None:
             if len(names) != 1:
                 raise EndpointError(f"{self.spec.role} endpoint {redact_url(self.base)} serves {names or 'no models'}: "
-                                    f"name one with {self.spec.role}.endpoint_model=<id>")
+                                    f"name one with {self.spec.prefix}model=<id>")
             self.model = names[0]
         elif self.model not in names:
-            raise EndpointError(f"{self.spec.role}.endpoint_model={self.model!r} is not served at "
+            raise EndpointError(f"{self.spec.prefix}model={self.model!r} is not served at "
                                 f"{redact_url(self.base)}; it serves {names}")
         self.served = next(entry for entry in listed if str(entry.get("id")) == self.model)
         return self.served

@@ -19,16 +19,10 @@ The stage that starts the judge and writes its files, and the command over a fin
 """
 from __future__ import annotations
 
-import json
-import logging
 import os
 import re
-import socket
-import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,10 +31,8 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 import pandas as pd
 
 from harness.config import JudgeConfig
-from harness.engines.openai_http import EndpointError, RateLimit, healthy, redact_url, retry_after, scrub
+from harness.engines.openai_http import Client, EndpointError, EndpointSpec, healthy, redact_url, retry_after
 from harness.errors import UserError
-
-log = logging.getLogger(__name__)
 
 __all__ = ["JudgeClient", "JudgeConfigError", "Pair", "SYSTEM", "check_config", "enabled", "judge_messages",
            "judge_pairs", "pairs_from_items", "parse_verdict"]
@@ -53,7 +45,6 @@ QUESTION = "Which response is better? Answer with one word: A, B or tie."
 ROLE_NAMES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant", "tool": "Tool"}
 RETRIED = (429, 503)  # rate limited or overloaded: wait and ask again
 RETRIES = 5
-MAX_WAIT_S = 120.0  # the longest Retry-After honoured per retry
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
 _VERDICT = re.compile(r"^(?:response\s+)?(a|b|tie)$", re.IGNORECASE)
@@ -154,72 +145,29 @@ def parse_verdict(text: Optional[str]) -> str:
 
 # ---------------------------------------------------------------------------------------------------- the client
 class JudgeClient:
-    """``/v1/models`` and ``/v1/chat/completions`` of the judge's server; errors as one :class:`EndpointError` line."""
+    """``/v1/models`` and ``/v1/chat/completions`` of the judge's server, through the engines' HTTP client
+    (:class:`harness.engines.openai_http.Client`: rate limit, Retry-After, one-line errors naming ``judge.*``)."""
 
     def __init__(self, url: str, cfg: JudgeConfig, server: Any = None,
                  sleep: Callable[[float], None] = time.sleep):
-        base = url.rstrip("/")
-        self.base = base if base.endswith("/v1") else base + "/v1"
-        self.cfg, self.server, self.sleep = cfg, server, sleep
+        spec = EndpointSpec(url=url, model=cfg.model, api_key_env=cfg.api_key_env, timeout_s=float(cfg.timeout_s),
+                            concurrency=int(cfg.concurrency), max_requests_per_s=cfg.max_requests_per_s,
+                            role="judge", settings="judge.", retries_429=RETRIES, retried=RETRIED, resumes=False)
+        self.http = Client(spec, server=server, sleep=sleep)
+        self.cfg, self.base = cfg, self.http.base
         self.model: Optional[str] = cfg.model
-        self.limit = RateLimit(cfg.max_requests_per_s, sleep=sleep)
-        self.requests = self.retries = 0
-        self._count = threading.Lock()
 
-    def _headers(self) -> dict[str, str]:
-        headers = {"Content-Type": "application/json"}
-        if self.cfg.api_key_env:
-            key = os.environ.get(self.cfg.api_key_env)
-            if not key:
-                raise EndpointError(f"judge.api_key_env={self.cfg.api_key_env}: that environment variable is not "
-                                    "set; export it with the judge server's API key")
-            headers["Authorization"] = f"Bearer {key}"
-        return headers
+    @property
+    def requests(self) -> int:
+        return self.http.requests
 
-    def _fail(self, what: str) -> EndpointError:
-        ended = self.server.exit_line() if self.server is not None else None
-        text = f"judge endpoint {redact_url(self.base)}: {ended or what}"
-        return EndpointError(scrub(text.replace("\n", " "), self.cfg.api_key_env))
+    @property
+    def retries(self) -> int:
+        return self.http.rate_limited
 
     def call(self, path: str, body: Optional[dict] = None) -> dict:
         """One request, retried on 429 / 503 after the server's Retry-After (else 1, 2, 4 ... s)."""
-        data = None if body is None else json.dumps(body).encode()
-        for attempt in range(RETRIES + 1):
-            self.limit.wait()
-            request = urllib.request.Request(self.base + path, data=data, headers=self._headers(),
-                                             method="GET" if body is None else "POST")
-            with self._count:
-                self.requests += 1
-            try:
-                with urllib.request.urlopen(request, timeout=float(self.cfg.timeout_s)) as response:
-                    return json.loads(response.read())
-            except urllib.error.HTTPError as exc:
-                detail = exc.read().decode(errors="replace")[:300]
-                if exc.code in RETRIED and attempt < RETRIES:
-                    wait = retry_after(exc.headers.get("Retry-After") if exc.headers else None)
-                    wait = min(MAX_WAIT_S, 2.0 ** attempt if wait is None else wait)
-                    log.info("judge endpoint answered HTTP %d; retrying in %.1f s", exc.code, wait)
-                    with self._count:
-                        self.retries += 1
-                    self.sleep(wait)
-                    continue
-                if exc.code in RETRIED:
-                    raise self._fail(f"still HTTP {exc.code} after {RETRIES} retries on {path}; lower "
-                                     "judge.concurrency or set judge.max_requests_per_s") from None
-                hint = " (a wrong or missing API key: set judge.api_key_env)" if exc.code in (401, 403) else ""
-                raise self._fail(f"HTTP {exc.code} on {path}{hint}: {detail}") from None
-            except (TimeoutError, socket.timeout):
-                raise self._fail(f"no reply to {path} within {self.cfg.timeout_s:.0f} s (judge.timeout_s sets the "
-                                 "limit)") from None
-            except urllib.error.URLError as exc:
-                reason = getattr(exc.reason, "strerror", None) or str(exc.reason)
-                raise self._fail(f"cannot reach the server ({reason}); check judge.endpoint and that it is "
-                                 "serving") from None
-            except (ConnectionError, OSError) as exc:
-                raise self._fail(f"the connection failed ({exc.__class__.__name__})") from None
-            except ValueError:
-                raise self._fail(f"{path} answered with something that is not JSON") from None
-        raise AssertionError("unreachable: the last attempt returns or raises")
+        return self.http.call(path, body)
 
     def connect(self) -> str:
         """The judge model's id, from ``/v1/models`` (judge.model, checked; else the server's only model)."""

@@ -67,7 +67,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schemes", nargs="+", default=["int8", "fp8", "int4_g128", "awq_w4g128"])
     parser.add_argument("--sample", type=int, default=60)
-    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--max-tokens", type=int, default=96,
+                        help="prompts.max_tokens: the cap of rows without their own (a row's own max_tokens wins)")
     parser.add_argument("--results", type=Path, default=Path("/tmp/bench_prompts/results"))
     parser.add_argument("--tasks", type=Path, nargs="*", default=[])
     parser.add_argument("--tag", default="smollm2")

@@ -61,7 +61,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2_135m")
     parser.add_argument("--schemes", nargs="+", default=["int8_w8a8", "fp8"])
     parser.add_argument("--sample", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--max-tokens", type=int, default=48,
+                        help="prompts.max_tokens: the cap of rows without their own (a row's own max_tokens wins)")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--work", default=str(REPO / "results" / "bench_staged"))
     parser.add_argument("--out", default=None, help="the JSON written (default benchmarks/results/staged_<model>.json)")

@@ -12,6 +12,9 @@ Writes benchmarks/results/staged_<model>.json and prints a markdown table (docs/
 .venv-engine (``bash scripts/engine_venv.sh``).
 
     .venv/bin/python benchmarks/bench_staged.py --schemes int8_w8a8 fp8 --sample 32 --max-tokens 48
+
+``--simulated-only`` times the in-process simulation alone (``force=true``: computed again, not read back), with
+W8A16 INT8 beside it for scale, into benchmarks/results/staged_<model>_simulated.json; no engine needed.
 """
 from __future__ import annotations
 
@@ -66,7 +69,11 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--work", default=str(REPO / "results" / "bench_staged"))
     parser.add_argument("--out", default=None, help="the JSON written (default benchmarks/results/staged_<model>.json)")
+    parser.add_argument("--simulated-only", action="store_true",
+                        help="time the in-process simulation of each scheme (and int8) alone; no servers")
     args = parser.parse_args()
+    if args.simulated_only:
+        return simulated_only(args)
     if not ENGINE_PYTHON.exists():
         raise SystemExit("no .venv-engine: bash scripts/engine_venv.sh")
     sys.path.insert(0, str(REPO))
@@ -104,6 +111,29 @@ def main() -> None:
         target = Path(args.out or REPO / "benchmarks" / "results" / f"staged_{args.model}.json")
         target.write_text(json.dumps(result, indent=1) + "\n")  # after each scheme: a later failure keeps it
         print(f"wrote {target}")
+
+
+def simulated_only(args: argparse.Namespace) -> None:
+    """Each scheme's in-process simulation (and W8A16 int8's), computed again, one after another: the evaluate
+    stage's seconds per 100 prompts; the machine's load before and after each job."""
+    base = [f"model={args.model}", "slices=prompts", f"prompts.sample={args.sample}",
+            f"prompts.max_tokens={args.max_tokens}", "force=true"]
+    rows = {}
+    for scheme in dict.fromkeys([*args.schemes, "int8"]):
+        before = os.getloadavg()
+        summary, seconds = run_job([*base, f"quant={scheme}"], Path(args.work) / scheme / "simulated")
+        evaluate = float(summary["timings"]["evaluate"])
+        rows[scheme] = {**picked(summary), "seconds": round(seconds, 1), "evaluate_s": round(evaluate, 1),
+                        "evaluate_s_per_100_prompts": round(100 * evaluate / args.sample, 1),
+                        "load_before": [round(x, 2) for x in before],
+                        "load_after": [round(x, 2) for x in os.getloadavg()]}
+        print(scheme, json.dumps({k: rows[scheme][k] for k in ("evaluate_s", "evaluate_s_per_100_prompts",
+                                                               "load_before", "load_after")}), flush=True)
+    target = Path(args.out or REPO / "benchmarks" / "results" / f"staged_{args.model}_simulated.json")
+    target.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} cores, CPU only",
+                                  "model": args.model, "sample": args.sample, "max_tokens": args.max_tokens,
+                                  "schemes": rows}, indent=1) + "\n")
+    print(f"wrote {target}")
 
 
 if __name__ == "__main__":

@@ -171,16 +171,9 @@ class JudgeClient:
 
     def connect(self) -> str:
         """The judge model's id, from ``/v1/models`` (judge.model, checked; else the server's only model)."""
-        names = [str(entry.get("id")) for entry in (self.call("/models").get("data") or [])]
-        if self.model is None:
-            if len(names) != 1:
-                raise EndpointError(f"judge endpoint {redact_url(self.base)} serves {names or 'no models'}: name one "
-                                    "with judge.model=<id>")
-            self.model = names[0]
-        elif self.model not in names:
-            raise EndpointError(f"judge.model={self.model!r} is not served at {redact_url(self.base)}; it serves "
-                                f"{names}")
-        return self.model
+        self.http.connect()
+        self.model = self.http.model
+        return str(self.model)
 
     def chat(self, messages: list[dict[str, str]]) -> Optional[str]:
         """The judge's reply text to one chat (greedy), or None when the answer holds no message."""

@@ -34,8 +34,10 @@ class Script:
     """What the scripted server does; the test sets the rule and reads what it saw."""
 
     def __init__(self, rule: str = "longer", fail_first: int = 0, retry_after: str | None = "0",
-                 key: str | None = None, echo_auth_on_error: bool = False):
+                 key: str | None = None, echo_auth_on_error: bool = False,
+                 models: tuple[str, ...] = ("scripted-judge",)):
         self.rule, self.fail_first, self.retry_after, self.key = rule, fail_first, retry_after, key
+        self.models = models  # what /v1/models lists
         self.echo_auth_on_error = echo_auth_on_error
         self.chats: list[dict] = []  # every chat request body that was answered
         self.arrivals: list[float] = []  # monotonic time of every chat request (answered or refused)
@@ -83,7 +85,7 @@ def _handler(script: Script) -> type[BaseHTTPRequestHandler]:
             if self.path in ("/health", "/v1/health"):
                 self._send(200, {})
             elif self.path == "/v1/models" and self._authorized():
-                self._send(200, {"data": [{"id": "scripted-judge"}]})
+                self._send(200, {"data": [{"id": name} for name in script.models]})
 
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -239,6 +241,18 @@ def test_a_server_that_keeps_answering_429_ends_in_one_line(serve):
                                             r"judge\.max_requests_per_s or judge\.concurrency"):
         client.chat(judge_client.judge_messages("User: hi", "a", "bb"))
     assert script.refused == judge_client.RETRIES + 1
+
+
+def test_the_judge_model_is_the_servers_only_one_or_named_and_checked(serve):
+    url = serve(Script(models=("judge-a",)))
+    assert JudgeClient(url, _config(url)).connect() == "judge-a"
+    url = serve(Script(models=("judge-a", "judge-b")))
+    with pytest.raises(EndpointError, match=r"^judge endpoint .* serves \['judge-a', 'judge-b'\]: name one with "
+                                            r"judge\.model=<id>$"):
+        JudgeClient(url, _config(url)).connect()
+    assert JudgeClient(url, _config(url, model="judge-b")).connect() == "judge-b"
+    with pytest.raises(EndpointError, match=r"^judge\.model='judge-c' is not served at .*; it serves"):
+        JudgeClient(url, _config(url, model="judge-c")).connect()
 
 
 def test_the_rate_limit_spaces_request_starts():

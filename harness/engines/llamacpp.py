@@ -175,16 +175,10 @@ class RenderedNames(TokenNames):
 
     def render(self, token: int) -> str:
         """The text the server shows for ``token``."""
-        return self.tokenizer.decode([token], skip_special_tokens=False).replace("\ufffd", "")
+        return super().render(token).replace("\ufffd", "")
 
     def id(self, name: str) -> int | None:
-        if self._by_text is None:
-            by_text: dict[str, int | None] = {}
-            for token in range(len(self.tokenizer)):
-                text = self.tokenizer.decode([token], skip_special_tokens=False).replace("\ufffd", "")
-                by_text[text] = None if text in by_text else token
-            self._by_text = by_text
-        return self._by_text.get(name)
+        return self.by_text(name)  # the server names tokens by text only
 
 
 def served_logprobs(target: np.ndarray, tops: list[dict | None], k: int, names: RenderedNames,

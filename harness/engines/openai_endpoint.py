@@ -109,17 +109,25 @@ class TokenNames:
         self.tokenizer = tokenizer
         self._by_text: dict[str, int | None] | None = None
 
+    def render(self, token: int) -> str:
+        """The text the server shows for ``token``."""
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+    def by_text(self, name: str) -> int | None:
+        """The one id :meth:`render` gives ``name`` for, else None (built once over the vocabulary)."""
+        if self._by_text is None:
+            by_text: dict[str, int | None] = {}
+            for token in range(len(self.tokenizer)):
+                text = self.render(token)
+                by_text[text] = None if text in by_text else token
+            self._by_text = by_text
+        return self._by_text.get(name)
+
     def id(self, name: str) -> int | None:
         match = TOKEN_ID.match(name)
         if match:
             return int(match.group(1))
-        if self._by_text is None:
-            by_text: dict[str, int | None] = {}
-            for token in range(len(self.tokenizer)):
-                text = self.tokenizer.decode([token], skip_special_tokens=False)
-                by_text[text] = None if text in by_text else token
-            self._by_text = by_text
-        return self._by_text.get(name)
+        return self.by_text(name)
 
 
 def prompt_logprobs(choice: dict, n_tokens: int, k: int, names: TokenNames) -> ServedLogprobs:

@@ -465,10 +465,16 @@ def thinking_criteria(run: RunResults, cfg: GateConfig, slices: list[str]) -> li
 JUDGE_CRITERION = "judge_loss"  # gate.judge_loss_max against the pairwise judge's loss − win
 
 
+def _judge_readable(loss_minus_win: float | None, low: float | None, high: float | None, decided: float | None,
+                    min_items: int) -> bool:
+    """Whether a slice's judge numbers can be read off at all: an interval, over at least ``min_items`` prompts."""
+    return not (loss_minus_win is None or low is None or high is None or (decided or 0) < min_items)
+
+
 def judge_outcome(loss_minus_win: float | None, low: float | None, high: float | None, decided: float | None,
                   limit: float, min_items: int) -> str:
     """pass / fail / inconclusive of one slice (module docstring)."""
-    if loss_minus_win is None or low is None or high is None or (decided or 0) < min_items:
+    if not _judge_readable(loss_minus_win, low, high, decided, min_items):
         return INCONCLUSIVE
     return PASS if high <= limit else FAIL if low > limit else INCONCLUSIVE
 
@@ -491,7 +497,7 @@ def judge_criteria(run: RunResults, cfg: GateConfig, slices: list[str]) -> list[
         outcome = judge_outcome(value, low, high, decided, limit, int(cfg.min_items))
         numbers = {"change": value, "ci_low": low, "ci_high": high, "limit": limit, "n": decided,
                    "unparsable": unparsable, "consistency": metrics.get(f"{name}/judge_consistency")}
-        if value is None or low is None or high is None or (decided or 0) < cfg.min_items:
+        if not _judge_readable(value, low, high, decided, int(cfg.min_items)):
             out.append(Criterion(name, JUDGE_CRITERION, INCONCLUSIVE,
                                  f"inconclusive: the judge decided {int(decided or 0)} prompts (gate.min_items="
                                  f"{cfg.min_items}) or gave no interval; {unparsable} unparsable",

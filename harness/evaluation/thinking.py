@@ -541,7 +541,6 @@ def kl_split_metrics(tokens: pd.DataFrame, texts: dict[str, list[Any]], spec: Th
     the names of :data:`harness.divergence.token_stats.SIDE_COLUMNS` with kind trace / answer. Nothing when thinking is
     off or the run scored no served replies."""
     from harness.divergence import token_stats
-    from harness.divergence.token_stats import SIDE_COLUMNS
 
     labelled = reply_parts(tokens, texts, spec, decode)
     out: dict[str, float] = {}
@@ -554,7 +553,7 @@ def kl_split_metrics(tokens: pd.DataFrame, texts: dict[str, list[Any]], spec: Th
             continue
         for frame in (rows.assign(slice="overall"), rows):
             for row in token_stats.summarize_by(frame, "slice").to_dict("records"):
-                for stat, name in SIDE_COLUMNS.items():
+                for stat, name in token_stats.SIDE_COLUMNS.items():
                     value = row.get(stat)
                     if value is not None and math.isfinite(float(value)):
                         out[f"{row['slice']}/{name.format(kind=part)}"] = float(value)

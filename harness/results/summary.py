@@ -117,9 +117,6 @@ def paired_statistics(items: pd.DataFrame, cfg: CompareConfig) -> pd.DataFrame:
     return table
 
 
-SIDE_COLUMNS = token_stats.SIDE_COLUMNS  # the other token kinds' columns beside a slice's headline
-
-
 def headline_tokens(tokens: pd.DataFrame) -> pd.DataFrame:
     """The tokens a slice's headline divergence is measured on: its served replies where it has
     them (a chat model: what it serves), else its plain gold texts (base models, older runs)."""
@@ -134,7 +131,8 @@ def summarize_tokens(tokens: pd.DataFrame, edges: list[int]) -> pd.DataFrame:
 
     The slice and overall rows also carry the other kinds' KL, top-1 and PPL ratio under their own
     names (``kl_plain_mean`` for the plain gold texts, ``kl_prompt_mean`` for the prompt positions of
-    the served texts: :data:`SIDE_COLUMNS`) and say what the headline is measured on (``kl_on``).
+    the served texts: :data:`harness.divergence.token_stats.SIDE_COLUMNS`) and say what the headline is
+    measured on (``kl_on``).
     Token rows with a ``kl_bound`` (a served candidate's KL on the server's top-k partition) make every
     row carry it: their KL is a lower bound, and :meth:`Comparison.metrics` names it ``kl_lower_bound_*``.
     """
@@ -154,7 +152,7 @@ def summarize_tokens(tokens: pd.DataFrame, edges: list[int]) -> pd.DataFrame:
             rows = tokens[tokens["kind"] == kind]
             if rows.empty:
                 continue
-            names = {key: value.format(kind=kind) for key, value in SIDE_COLUMNS.items()}
+            names = {key: value.format(kind=kind) for key, value in token_stats.SIDE_COLUMNS.items()}
             per_slice = token_stats.summarize_by(rows, "slice")[["slice", *names]].rename(columns=names)
             everything = everything.merge(per_slice, on="slice", how="left")
             whole = token_stats.summarize_by(rows.assign(slice="overall"), "slice")[["slice", *names]]
